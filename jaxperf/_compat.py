@@ -1,0 +1,66 @@
+"""Every difference between the JAX / Flax versions we support (jax 0.10.2 to 0.12, flax >= 0.12) lives here."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+try:  # jax >= 0.6 exposes axis types at the top level of jax.sharding.
+    from jax.sharding import AxisType
+except ImportError:  # pragma: no cover - older jax
+    AxisType = None
+
+# Flax stores the logical axis names of a Variable under a metadata key that was renamed over time.
+_LOGICAL_AXES_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def make_mesh(shape: Sequence[int], names: Sequence[str], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with Auto (GSPMD) axes laid out along the physical topology where JAX knows it.
+
+    `jax.make_mesh` defaults to Explicit axes since jax 0.10; jaxperf's jit steps rely on sharding propagation, so axes
+    are Auto everywhere.
+    """
+    shape, names = tuple(int(s) for s in shape), tuple(names)
+    kwargs = {"axis_types": (AxisType.Auto,) * len(names)} if AxisType is not None else {}
+    if devices is None:
+        return jax.make_mesh(shape, names, **kwargs)
+    grid = np.asarray(list(devices), dtype=object).reshape(shape)
+    return Mesh(grid, names, **kwargs)
+
+
+def set_mesh(mesh: Mesh):
+    """Context manager that makes `mesh` the ambient mesh (`jax.set_mesh` where it exists)."""
+    if hasattr(jax, "set_mesh"):
+        return jax.set_mesh(mesh)
+    return mesh  # pragma: no cover - older jax: `with mesh:`
+
+
+def variable_logical_axes(variable) -> tuple[str | None, ...] | None:
+    """The logical axis names a Flax NNX Variable was annotated with (`nnx.with_partitioning`), or None."""
+    meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    for key in _LOGICAL_AXES_KEYS:
+        axes = meta.get(key)
+        if axes is not None:
+            return tuple(axes)
+    return None
+
+
+def no_eager_sharding():
+    """Build NNX modules without Flax's eager sharding: jaxperf places parameters itself through jit out_shardings."""
+    from flax import nnx
+
+    if hasattr(nnx, "use_eager_sharding"):
+        return nnx.use_eager_sharding(False)
+    import contextlib  # pragma: no cover - flax without eager sharding
+
+    return contextlib.nullcontext()
+
+
+def variable_value(variable):
+    """The array held by an NNX Variable (`.value` access is deprecated in flax 0.12)."""
+    if hasattr(variable, "get_value"):
+        return variable.get_value()
+    return variable.value  # pragma: no cover

@@ -1,0 +1,188 @@
+"""Tokenizers: a file-free byte tokenizer and a byte-level BPE built on HF `tokenizers`.
+
+Both share one small interface that the rest of jaxperf relies on:
+
+    tok.name          "byte" | "bpe"
+    tok.vocab_size    number of ids (every id is < vocab_size)
+    tok.eos_id        id of the end-of-text token, or None
+    tok.fingerprint   a short string that changes whenever the id mapping changes (used in cache keys)
+    tok.encode(text)  -> np.ndarray[uint32] of ids
+    tok.encode_batch(texts) -> list of such arrays
+    tok.decode(ids)   -> str
+
+Example:
+    >>> tok = get_tokenizer("byte")
+    >>> tok.decode(tok.encode("héllo"))
+    'héllo'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_KINDS = ("byte", "bpe")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids: vocab of 256, no files, no special tokens."""
+
+    name = "byte"
+    vocab_size = 256
+    eos_id = None
+    fingerprint = "byte-256"
+
+    def encode(self, text: str) -> np.ndarray:
+        """The UTF-8 bytes of `text` as a uint32 array of shape [len(bytes)]."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` applied to each text."""
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids) -> str:
+        """Ids back to text; byte sequences that are not valid UTF-8 become U+FFFD."""
+        ids = np.asarray(ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= 256):
+            raise ValueError(f"byte ids must lie in [0, 256), got min {ids.min()} max {ids.max()}")
+        return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenization) wrapping a `tokenizers.Tokenizer`.
+
+    The vocabulary holds the 256 byte symbols, the learned merges and one special token, `<|endoftext|>` (`eos_id`).
+    """
+
+    name = "bpe"
+
+    def __init__(self, tokenizer):
+        """Wraps an existing `tokenizers.Tokenizer`; use `train` or `from_file` to make one."""
+        self._tok = tokenizer
+        self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
+        self.eos_id = tokenizer.token_to_id(EOS_TOKEN)
+        digest = hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
+        self.fingerprint = f"bpe-{self.vocab_size}-{digest}"
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+        """Learns merges on `texts` until the vocabulary has `vocab_size` entries (fewer if the texts run out).
+
+        Args:
+            texts: training documents.
+            vocab_size: target vocabulary size, including 256 byte symbols and `<|endoftext|>`.
+
+        Returns:
+            the trained tokenizer; its `vocab_size` is the real size reached.
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < 257:
+            raise ValueError(f"BPE {vocab_size=} is too small: it needs 256 byte symbols + 1 special token (>= 257)")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            show_progress=False,
+            special_tokens=[EOS_TOKEN],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
+        """Loads a `tokenizer.json` written by `save` (or any HF byte-level BPE tokenizer file)."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the tokenizer as one JSON file (atomically: a reader never sees half a file)."""
+        path = pathlib.Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        self._tok.save(str(tmp))
+        os.replace(tmp, path)
+
+    def encode(self, text: str) -> np.ndarray:
+        """Ids of `text` as a uint32 array."""
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Ids of each text, encoded in parallel by the Rust library."""
+        encs = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encs]
+
+    def decode(self, ids) -> str:
+        """Ids back to text (special tokens are kept, so `decode(encode(s)) == s`)."""
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"BPETokenizer(vocab_size={self.vocab_size})"
+
+
+def _hash_texts(texts: Iterable[str]) -> str:
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def get_tokenizer(
+    kind: str,
+    *,
+    vocab_size: int | None = None,
+    path: str | None = None,
+    texts_fn: Callable[[], Iterable[str]] | None = None,
+    cache_dir: str | None = None,
+    cache_key: str | None = None,
+):
+    """Builds, loads or trains a tokenizer.
+
+    Args:
+        kind: "byte" or "bpe".
+        vocab_size: BPE only: target vocabulary size when training.
+        path: BPE only: a tokenizer.json to load; no training happens.
+        texts_fn: BPE only: returns the training texts (called at most twice: once to hash if `cache_key` is None,
+            once to train).
+        cache_dir: BPE only: where trained tokenizers are kept as `bpe-<hash>.json`; a second call with the same texts
+            and vocab size loads the file instead of training.
+        cache_key: a string that identifies the training texts (e.g. `sources.source_fingerprint(source)`); when None,
+            the texts themselves are hashed.
+
+    Returns:
+        a `ByteTokenizer` or `BPETokenizer`.
+
+    Example:
+        >>> tok = get_tokenizer("bpe", vocab_size=4096, texts_fn=lambda: corpus_texts("stdlib"), cache_dir="~/.cache")
+    """
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind != "bpe":
+        raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(TOKENIZER_KINDS)}")
+    if path is not None:
+        return BPETokenizer.from_file(path)
+    if texts_fn is None or vocab_size is None:
+        raise ValueError("a BPE tokenizer needs either path=<tokenizer.json> or both texts_fn and vocab_size to train")
+    cache_file = None
+    if cache_dir is not None:
+        source_key = cache_key if cache_key is not None else _hash_texts(texts_fn())
+        key = hashlib.sha256(f"{source_key}|vocab={vocab_size}".encode()).hexdigest()[:20]
+        cache_file = pathlib.Path(cache_dir).expanduser() / f"bpe-{key}.json"
+        if cache_file.exists():
+            return BPETokenizer.from_file(cache_file)
+    tok = BPETokenizer.train(texts_fn(), vocab_size)
+    if cache_file is not None:
+        tok.save(cache_file)
+    return tok

@@ -1,0 +1,108 @@
+"""Attention with one API and several implementations.
+
+    out_BxLxHxDh = attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, impl="auto")
+
+Implementations: "xla" (plain jnp, the reference, runs everywhere), "cudnn" (`jax.nn.dot_product_attention` on NVIDIA
+GPUs, bf16/fp16), and whatever else is registered with `register_attention` (the Pallas kernels plug in there). An
+explicit impl that cannot run raises with the reason; "auto" picks the best available and warns once when it falls back.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+AttentionFn = Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
+class _Impl:
+    fn: AttentionFn
+    # (q, k, v) -> None when the impl can run on the default backend, else the reason it cannot.
+    unavailable: Callable[[jax.Array, jax.Array, jax.Array], str | None]
+    priority: int  # "auto" tries higher first
+
+
+_REGISTRY: dict[str, _Impl] = {}
+_WARNED: set[str] = set()
+
+
+def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v: None, priority: int = 0) -> None:
+    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name`."""
+    _REGISTRY[name] = _Impl(fn, unavailable, priority)
+
+
+def available_attention_impls() -> list[str]:
+    return ["auto", *_REGISTRY]
+
+
+def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, segment_ids=None):
+    """Reference attention in jnp: fp32 softmax, grouped-query heads, optional causal and segment masks.
+
+    Query position i attends to key position j when (not causal or j <= i) and the segment ids match. The query block
+    is aligned to the end of the key block (so S > L works for decoding with a cache).
+    """
+    B, L, H, Dh = q_BxLxHxDh.shape
+    S, K = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
+    G = H // K
+    q = q_BxLxHxDh.reshape(B, L, K, G, Dh)
+    scores_BxKxGxLxS = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh, preferred_element_type=jnp.float32)
+    scores_BxKxGxLxS = scores_BxKxGxLxS * (Dh**-0.5)
+    mask_LxS = jnp.ones((L, S), dtype=bool)
+    if causal:
+        mask_LxS = (jnp.arange(L)[:, None] + (S - L)) >= jnp.arange(S)[None, :]
+    mask = mask_LxS[None, None, None]
+    if segment_ids is not None:
+        q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        mask = mask & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
+    scores_BxKxGxLxS = jnp.where(mask, scores_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxKxGxLxS, axis=-1).astype(v_BxSxKxDh.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh, preferred_element_type=jnp.float32)
+    return out.reshape(B, L, H, Dh).astype(q_BxLxHxDh.dtype)
+
+
+def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+    if segment_ids is not None:
+        raise NotImplementedError("cudnn attention here takes no segment ids; use impl='xla'")
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def _cudnn_unavailable(q, k, v) -> str | None:
+    if jax.default_backend() != "gpu":
+        return f"cuDNN attention needs an NVIDIA GPU, the backend is {jax.default_backend()!r}"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN attention needs bfloat16 or float16 inputs, got {q.dtype}"
+    if q.shape[1] != k.shape[1]:
+        return "cuDNN attention here needs equal query and key lengths"
+    return None
+
+
+register_attention("xla", xla_attention, priority=0)
+register_attention("cudnn", _cudnn_attention, _cudnn_unavailable, priority=10)
+
+
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto"):
+    """Dispatch to an implementation. Shapes: q [B, L, H, Dh], k and v [B, S, K, Dh] with H % K == 0."""
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
+    if impl == "auto":
+        reasons = []
+        for name, entry in sorted(_REGISTRY.items(), key=lambda kv: -kv[1].priority):
+            why = entry.unavailable(q, k, v)
+            if why is None and not (segment_ids is not None and name == "cudnn"):
+                if reasons and name == "xla" and jax.default_backend() == "gpu" and "auto" not in _WARNED:
+                    _WARNED.add("auto")
+                    warnings.warn(f"attention impl 'auto' fell back to 'xla': {'; '.join(reasons)}", stacklevel=2)
+                return entry.fn(q, k, v, causal=causal, segment_ids=segment_ids)
+            reasons.append(f"{name}: {why or 'segment ids'}")
+        raise RuntimeError(f"no attention implementation can run: {'; '.join(reasons)}")
+    if impl not in _REGISTRY:
+        raise ValueError(f"unknown attention impl {impl!r}; registered: {', '.join(available_attention_impls())}")
+    why = _REGISTRY[impl].unavailable(q, k, v)
+    if why is not None:
+        raise RuntimeError(f"attention impl {impl!r} cannot run here: {why}. Use impl='auto' or 'xla'.")
+    return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids)

@@ -1,0 +1,119 @@
+"""A decoder-only Transformer (GPT-2 or Llama style) as a Flax NNX module.
+
+    model = GPT(ModelConfig(style="llama", n_kv_heads=2), rngs=nnx.Rngs(0))
+    logits_BxLxV = model(tokens_BxL)
+
+Layers are either stacked on a leading `layers` axis and run under `lax.scan` (one compiled body, fast compiles) or kept
+as a list and run in a Python loop. Either way each layer can be rematerialised with a policy from `REMAT_POLICIES`.
+
+Legend: B batch, L length, D embed, V (padded) vocab, N layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxperf.config import ModelConfig, validate_model
+from jaxperf.models.layers import Block, Norm, _param
+from jaxperf.parallel.rules import constrain
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_attn_proj": jax.checkpoint_policies.save_only_these_names("attn_proj", "attn_out", "mlp_out"),
+}
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
+    """N layers created at once: every parameter gets a leading `layers` axis."""
+
+    @nnx.split_rngs(splits=cfg.n_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=r)
+
+    return make(rngs)
+
+
+class GPT(nnx.Module):
+    """Token embedding -> N pre-norm blocks -> final norm -> logits over the padded vocabulary."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = validate_model(cfg)
+        self.cfg = cfg
+        D, V = cfg.d_model, cfg.padded_vocab
+        pd = jnp.dtype(cfg.param_dtype)
+        init = nnx.initializers.normal(cfg.init_std)
+        self.embed_VxD = _param(rngs, init, (V, D), ("vocab", "embed"), pd)
+        self.pos_LxD = (
+            _param(rngs, nnx.initializers.normal(0.01), (cfg.max_seq_len, D), ("seq", "embed"), pd)
+            if cfg.position == "learned"
+            else None
+        )
+        if cfg.scan_layers:
+            self.blocks = _stacked_blocks(cfg, rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs)
+        self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
+
+    def hidden(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
+        """Final-norm hidden states [B, L, D] in the compute dtype (for fused losses that skip the logits)."""
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        B, L = tokens_BxL.shape
+        if L > cfg.max_seq_len:
+            raise ValueError(f"sequence length {L} is above model.max_seq_len={cfg.max_seq_len}")
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
+        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(dt)
+        if self.pos_LxD is not None:
+            x_BxLxD = x_BxLxD + jnp.take(self.pos_LxD[...], positions_BxL, axis=0).astype(dt)
+        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+
+        policy = REMAT_POLICIES[cfg.remat]
+
+        def apply(graphdef, state, x, pos, seg):
+            return nnx.merge(graphdef, state)(x, pos, seg)
+
+        if cfg.remat != "none":
+            apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
+
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(x, layer_state):
+                return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL), None
+
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state)
+        else:
+            for block in self.blocks:
+                graphdef, state = nnx.split(block)
+                x_BxLxD = apply(graphdef, state, x_BxLxD, positions_BxL, segment_ids_BxL)
+        return self.final_norm(x_BxLxD)
+
+    def output_weights(self) -> jax.Array:
+        """The output projection [D, V] (the embedding table transposed when tied)."""
+        return self.embed_VxD[...].T if self.head_DxV is None else self.head_DxV[...]
+
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
+        """Logits [B, L, V] in the compute dtype."""
+        h_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
+        logits = jnp.einsum("bld,dv->blv", h_BxLxD, self.output_weights().astype(h_BxLxD.dtype))
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
+    """Parameter count from the config alone (no allocation)."""
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+    total = sum(x.size for x in jax.tree.leaves(state))
+    if not embeddings:
+        r = model.cfg
+        total -= r.padded_vocab * r.d_model * (1 if r.tie_embeddings else 2)
+        total -= r.max_seq_len * r.d_model if r.position == "learned" else 0
+    return int(total)

@@ -1,0 +1,156 @@
+"""Transformer building blocks as Flax NNX modules whose parameters carry logical axis names.
+
+Legend: B batch, L length, D embed, H heads, K kv heads, G = H / K query heads per KV head, Dh head dim, F mlp, V vocab.
+Parameters are stored in `param_dtype` and cast to the compute `dtype` where used; norms, softmax and RoPE run in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxperf._compat import no_eager_sharding
+from jaxperf.models.attention import attention
+from jaxperf.parallel.rules import constrain
+
+Axes = tuple[str | None, ...]
+
+
+def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: Axes, dtype) -> nnx.Param:
+    """A parameter annotated with logical axes. Placement on devices happens later, through jit out_shardings."""
+    with no_eager_sharding():
+        return nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, dtype))
+
+
+def _ones(key, shape, dtype):
+    return jnp.ones(shape, dtype)
+
+
+def _zeros(key, shape, dtype):
+    return jnp.zeros(shape, dtype)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (scale and optional bias) or RMSNorm (scale only), computed in fp32."""
+
+    def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs):
+        self.kind, self.eps = kind, eps
+        self.scale = _param(rngs, _ones, (dim,), ("embed",), param_dtype)
+        self.bias = _param(rngs, _zeros, (dim,), ("embed",), param_dtype) if use_bias and kind == "layernorm" else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x = x_BxLxD.astype(jnp.float32)
+        if self.kind == "layernorm":
+            x = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+        x = x * self.scale[...].astype(jnp.float32)
+        if self.bias is not None:
+            x = x + self.bias[...].astype(jnp.float32)
+        return x.astype(x_BxLxD.dtype)
+
+
+def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) applied in fp32."""
+    half = x_BxLxNxDh.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * freq)[:, :, None, :]
+    sin, cos = jnp.sin(angle_BxLx1xHalf), jnp.cos(angle_BxLx1xHalf)
+    x = x_BxLxNxDh.astype(jnp.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxNxDh.dtype)
+
+
+class Attention(nnx.Module):
+    """Multi-head, grouped-query or multi-query causal self-attention."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        D, H, K, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.cfg = cfg
+        self.wq_DxHxDh = _param(rngs, init, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
+        self.wk_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.wo_HxDhxD = _param(rngs, out_init, (H, Dh, D), ("heads", "head_dim", "embed"), pd)
+        if cfg.use_bias:
+            self.bq_HxDh = _param(rngs, _zeros, (H, Dh), ("heads", "head_dim"), pd)
+            self.bk_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
+            self.bv_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
+            self.bo_D = _param(rngs, _zeros, (D,), ("embed",), pd)
+        else:
+            self.bq_HxDh = self.bk_KxDh = self.bv_KxDh = self.bo_D = None
+
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None):
+        cfg, dt = self.cfg, x_BxLxD.dtype
+
+        def proj(w, b, heads_axis):
+            y = jnp.einsum("bld,dnh->blnh", x_BxLxD, w[...].astype(dt))
+            if b is not None:
+                y = y + b[...].astype(dt)
+            return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
+
+        q = checkpoint_name(proj(self.wq_DxHxDh, self.bq_HxDh, "heads"), "attn_proj")
+        k = checkpoint_name(proj(self.wk_DxKxDh, self.bk_KxDh, "kv_heads"), "attn_proj")
+        v = checkpoint_name(proj(self.wv_DxKxDh, self.bv_KxDh, "kv_heads"), "attn_proj")
+        if cfg.position == "rope":
+            q, k = rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta)
+        o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=cfg.attention_impl)
+        o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
+        y = jnp.einsum("blnh,nhd->bld", o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt))
+        if self.bo_D is not None:
+            y = y + self.bo_D[...].astype(dt)
+        return checkpoint_name(y, "attn_out")
+
+
+class MLP(nnx.Module):
+    """GELU MLP (GPT-2) or SwiGLU (Llama)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.mlp_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.act = cfg.mlp_act
+        self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
+        self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
+        self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
+        use_bias = cfg.use_bias
+        self.b_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
+        self.b_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        dt = x_BxLxD.dtype
+        h = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
+        if self.b_in_F is not None:
+            h = h + self.b_in_F[...].astype(dt)
+        if self.act == "swiglu":
+            gate = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
+            h = jax.nn.silu(gate) * h
+        else:
+            h = jax.nn.gelu(h, approximate=True)
+        h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
+        y = jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
+        if self.b_out_D is not None:
+            y = y + self.b_out_D[...].astype(dt)
+        return checkpoint_name(y, "mlp_out")
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        self.attn_norm = Norm(cfg.d_model, cfg.norm, **kw)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
+        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
+        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        return constrain(x_BxLxD, ("batch", "seq", "embed"))

@@ -1,0 +1,143 @@
+"""Logical-axis rules: how each strategy maps the model's named axes onto the mesh.
+
+Models name their axes (batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers); a strategy is a pair of
+tables, one for parameters and one for activations, from those names to mesh axes. Data parallel, fully sharded and
+tensor parallel training are these tables over one model and one step; adding a strategy means adding a table.
+
+Parameters and activations get separate tables because the same logical name means different things: a parameter's
+`embed` dim is where FSDP shards weights, while an activation's batch dim already uses the fsdp axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxperf.config import ConfigError
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Logical name -> mesh axis (or tuple of axes, or None = replicated), for parameters and for activations."""
+
+    name: str
+    params: tuple[tuple[str, MeshAxes], ...]
+    activations: tuple[tuple[str, MeshAxes], ...]
+
+    def mesh_axes_used(self) -> set[str]:
+        used = set()
+        for _, axes in self.params + self.activations:
+            used.update((axes,) if isinstance(axes, str) else (axes or ()))
+        return used
+
+
+# Activations: the batch is split over every data-parallel axis; TP splits heads / mlp / vocab.
+_ACTIVATIONS = (
+    ("batch", ("data", "fsdp")),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+)
+# Weights: FSDP (ZeRO-3) splits every weight along its embed dim; Megatron TP splits heads, mlp and vocab.
+_FSDP_PARAMS = (("embed", "fsdp"),)
+_TP_PARAMS = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
+
+STRATEGIES: dict[str, Rules] = {
+    "dp": Rules("dp", (), _ACTIVATIONS[:1]),
+    "fsdp": Rules("fsdp", _FSDP_PARAMS, _ACTIVATIONS[:1]),
+    "tp": Rules("tp", _TP_PARAMS, _ACTIVATIONS),
+    "fsdp_tp": Rules("fsdp_tp", _FSDP_PARAMS + _TP_PARAMS, _ACTIVATIONS),
+}
+
+
+def get_rules(strategy: str | Rules, mesh: Mesh | None = None) -> Rules:
+    """The rule table of a strategy; with a mesh, check that every mesh axis larger than 1 is used by the table."""
+    if isinstance(strategy, Rules):
+        rules = strategy
+    elif strategy in STRATEGIES:
+        rules = STRATEGIES[strategy]
+    else:
+        raise ConfigError(f"unknown parallel.strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if mesh is not None:
+        unused = [a for a, s in mesh.shape.items() if s > 1 and a not in rules.mesh_axes_used()]
+        if unused:
+            axes = ", ".join(f"{a}={mesh.shape[a]}" for a in unused)
+            users = [n for n, r in STRATEGIES.items() if set(unused) <= r.mesh_axes_used()]
+            raise ConfigError(
+                f"the mesh has {axes} but strategy {rules.name!r} maps nothing onto it, so every device on that axis "
+                f"would repeat the same work: use strategy {' or '.join(map(repr, users)) or 'another'} or set "
+                f"{' and '.join(f'parallel.{a}=1' for a in unused)}"
+            )
+    return rules
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None] | None,
+    table: Sequence[tuple[str, MeshAxes]],
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+) -> P:
+    """PartitionSpec for a tensor with these logical axes.
+
+    A mesh axis is used at most once per tensor (the first logical dim that asks for it wins). Given the mesh and the
+    tensor's shape, a dim that does not divide evenly over its mesh axes stays replicated instead of failing at compile
+    time; `jaxperf.parallel.sharding.check_sharding` reports how far that leaves us from the ideal.
+    """
+    if logical_axes is None:
+        return P()
+    lookup = dict(table)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(logical_axes):
+        axes = lookup.get(name) if name is not None else None
+        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = tuple(a for a in axes if a not in used and (mesh is None or a in mesh.shape))
+        if mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        if mesh is not None and shape is not None and axes:
+            size = 1
+            for a in axes:
+                size *= mesh.shape[a]
+            if shape[i] % size:
+                axes = ()
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Activation constraints: the step builder installs (mesh, rules) while tracing; models call `constrain`.
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("jaxperf_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, rules: Rules):
+    """Within this context `constrain(x, names)` pins activations to the mesh according to `rules`."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`with_sharding_constraint` by logical names; a no-op outside `activation_sharding` (e.g. eager calls)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"constrain: {len(logical_axes)} names {tuple(logical_axes)} for an array of shape {x.shape}")
+    spec = logical_to_spec(logical_axes, rules.activations, mesh, x.shape)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

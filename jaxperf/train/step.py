@@ -1,0 +1,219 @@
+"""The one train step: any Flax NNX module, any loss, any mesh and rule table.
+
+    task = Task.create(lambda rngs: GPT(cfg.model, rngs=rngs), mesh, get_rules("fsdp_tp"), tx, seed=0)
+    state = task.init_state()                       # parameters and optimizer state born sharded
+    step = task.train_step(next_token_loss, microbatches=4)
+    state, metrics = step(state, batch)             # jitted with shardings, state donated
+
+The step is pure `(state, batch) -> (state, metrics)`. Parameters live in `state.params` as a plain nested dict (the
+pure-dict form of the module's `nnx.Param`s) so optax, Orbax and sharding trees all see ordinary pytrees; the module
+is rebuilt from it inside the trace with `nnx.merge`, which costs nothing at run time. Non-parameter module state
+(RNG counters, batch statistics) rides along in `state.model_state` and is updated by the loss function's calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from jaxperf import _compat
+from jaxperf.parallel.rules import Rules, activation_sharding, logical_to_spec
+from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
+
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: number of updates applied
+    params: Any  # nested dict of arrays (the module's nnx.Param values)
+    opt_state: Any  # optax state
+    model_state: Any  # nnx.State of non-parameter variables (often empty)
+
+
+def _param_axes(abstract_params: nnx.State) -> Any:
+    """Pure-dict tree of logical-axis tuples (None where a parameter carries no annotation)."""
+    axes = jax.tree.map(_compat.variable_logical_axes, abstract_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+
+
+def decay_mask(params_axes: Any, abstract_params: Any) -> Any:
+    """Weight decay only on matrices: a parameter with fewer than two dims besides a scanned `layers` axis (norm
+    scales, biases) is not decayed."""
+
+    def decays(axes, x):
+        if axes is None:
+            return x.ndim >= 2
+        return sum(1 for a in axes if a != "layers") >= 2
+
+    return jax.tree.map(decays, params_axes, abstract_params, is_leaf=lambda a: isinstance(a, tuple) or a is None)
+
+
+@dataclass
+class Task:
+    """A model split into (graph, parameter template, other state), placed on a mesh by a rule table."""
+
+    graphdef: Any
+    param_template: nnx.State  # abstract nnx.Param state, used to rebuild the module
+    model_state: nnx.State  # abstract non-parameter state
+    param_axes: Any  # pure dict of logical-axis tuples
+    abstract_params: Any  # pure dict of ShapeDtypeStruct
+    param_shardings: Any  # pure dict of NamedSharding
+    mesh: Mesh
+    rules: Rules
+    tx: optax.GradientTransformation
+    make_model: Callable[[nnx.Rngs], nnx.Module]
+    seed: int
+
+    @classmethod
+    def create(cls, make_model, mesh: Mesh, rules: Rules, tx, *, seed: int = 0) -> "Task":
+        """Trace `make_model(rngs)` abstractly (no memory used) and derive the shardings of its parameters."""
+        with _compat.no_eager_sharding():
+            abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
+        graphdef, params, other = nnx.split(abstract, nnx.Param, ...)
+        axes = _param_axes(params)
+        abstract_params = nnx.to_pure_dict(params)
+        shardings = tree_shardings(abstract_params, axes, mesh, rules)
+        return cls(graphdef, params, other, axes, abstract_params, shardings, mesh, rules, tx, make_model, seed)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def merge(self, params: Any, model_state: Any | None = None) -> nnx.Module:
+        """Rebuild the module from a pure-dict of parameter values (inside or outside a trace)."""
+        template = jax.tree.map(lambda x: x, self.param_template)  # a fresh copy of the Variables
+        nnx.replace_by_pure_dict(template, params)
+        return nnx.merge(self.graphdef, template, self.model_state if model_state is None else model_state)
+
+    def _init(self) -> TrainState:
+        with _compat.no_eager_sharding():
+            model = self.make_model(nnx.Rngs(self.seed))
+        _, params, other = nnx.split(model, nnx.Param, ...)
+        params = nnx.to_pure_dict(params)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), other)
+
+    def state_shardings(self) -> TrainState:
+        """NamedShardings for every leaf of the TrainState: optimizer moments follow their parameters."""
+        abstract = jax.eval_shape(self._init)
+        rep = replicated(self.mesh)
+        opt = optax.tree_map_params(
+            self.tx,
+            lambda _, sharding: sharding,
+            abstract.opt_state,
+            self.param_shardings,
+            transform_non_params=lambda _: rep,
+        )
+        model_state = jax.tree.map(lambda _: rep, abstract.model_state)
+        return TrainState(rep, self.param_shardings, opt, model_state)
+
+    def abstract_state(self) -> TrainState:
+        """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
+        abstract, shardings = jax.eval_shape(self._init), self.state_shardings()
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    def init_state(self) -> TrainState:
+        """Parameters and optimizer state created directly in their shards (never whole on one device)."""
+        return jax.jit(self._init, out_shardings=self.state_shardings())()
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+        return batch_sharding(self.mesh, self.rules, ndim)
+
+    def _grads(self, loss_fn: LossFn, params, model_state, batch):
+        """(loss, weight, metrics, model_state, grads) for one microbatch."""
+
+        def f(p):
+            model = self.merge(p, model_state)
+            loss, aux = loss_fn(model, batch)
+            _, _, new_state = nnx.split(model, nnx.Param, ...)
+            return loss, (aux, new_state)
+
+        (loss, (aux, new_state)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        weight = jnp.asarray(aux.get("weight", 1.0), jnp.float32)
+        return loss, weight, aux, new_state, grads
+
+    def train_step(self, loss_fn: LossFn, *, microbatches: int = 1, schedule=None, donate: bool = True):
+        """Build the jitted step. `loss_fn(model, batch) -> (mean_loss, aux)`; `aux["weight"]` (e.g. the number of
+        unmasked tokens) weights microbatches so that accumulating k microbatches equals one k-times-larger batch."""
+        grad_constraint = lambda g: jax.lax.with_sharding_constraint(g, self.param_shardings)  # noqa: E731
+
+        def split_micro(x):
+            # Microbatch i takes rows i, i+k, i+2k...: every microbatch stays spread over all data-parallel devices.
+            x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+            x = jnp.swapaxes(x, 0, 1)
+            spec = logical_to_spec((None, "batch") + (None,) * (x.ndim - 2), self.rules.activations, self.mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        def step(state: TrainState, batch: dict[str, jax.Array]):
+            with activation_sharding(self.mesh, self.rules):
+                if microbatches == 1:
+                    loss, weight, _, model_state, grads = self._grads(loss_fn, state.params, state.model_state, batch)
+                    total_w, total_loss = weight, loss * weight
+                    grads = jax.tree.map(lambda g: g * weight, grads)
+                else:
+                    micro = jax.tree.map(split_micro, batch)
+
+                    def body(carry, mb):
+                        g_sum, w_sum, l_sum, ms = carry
+                        loss, w, aux, ms, g = self._grads(loss_fn, state.params, ms, mb)
+                        g_sum = jax.tree.map(lambda a, b: a + b * w, g_sum, g)
+                        return (grad_constraint(g_sum), w_sum + w, l_sum + loss * w, ms), None
+
+                    zeros = jax.tree.map(jnp.zeros_like, state.params)
+                    init = (grad_constraint(zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                            state.model_state)
+                    (grads, total_w, total_loss, model_state), _ = jax.lax.scan(body, init, micro)
+                grads = grad_constraint(jax.tree.map(lambda g: g / total_w, grads))
+                updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+                params = optax.apply_updates(state.params, updates)
+            metrics = {
+                "loss": total_loss / total_w,
+                "grad_norm": optax.global_norm(grads),
+                "tokens": total_w,
+            }
+            if schedule is not None:
+                metrics["lr"] = schedule(state.step)
+            new_state = TrainState(state.step + 1, params, opt_state, model_state)
+            return new_state, metrics
+
+        shardings = self.state_shardings()
+        return jax.jit(
+            step,
+            in_shardings=(shardings, self.batch_sharding()),
+            out_shardings=(shardings, replicated(self.mesh)),
+            donate_argnums=(0,) if donate else (),
+        )
+
+    def eval_step(self, loss_fn: LossFn):
+        """Jitted `(state, batch) -> {"loss", "tokens"}` without gradients."""
+
+        def step(state: TrainState, batch):
+            with activation_sharding(self.mesh, self.rules):
+                loss, aux = loss_fn(self.merge(state.params, state.model_state), batch)
+            weight = jnp.asarray(aux.get("weight", 1.0), jnp.float32)
+            return {"loss": loss, "tokens": weight}
+
+        return jax.jit(step, in_shardings=(self.state_shardings(), self.batch_sharding()),
+                       out_shardings=replicated(self.mesh))
+
+
+def next_token_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked next-token cross-entropy in fp32. batch: inputs, targets int32 [B, L]; optional mask [B, L].
+
+    Returns the mean over unmasked tokens and aux {"weight": number of unmasked tokens}.
+    """
+    logits_BxLxV = model(batch["inputs"]).astype(jnp.float32)
+    targets = batch["targets"]
+    mask = batch.get("mask")
+    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits_BxLxV, axis=-1)
+    target_logit = jnp.take_along_axis(logits_BxLxV, targets[..., None], axis=-1)[..., 0]
+    weight = jnp.sum(mask)
+    loss = jnp.sum((logz - target_logit) * mask) / jnp.maximum(weight, 1.0)
+    return loss, {"weight": weight}

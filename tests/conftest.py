@@ -1,0 +1,23 @@
+"""Test set-up: 8 simulated CPU devices, strict rank promotion, quiet platform probing.
+
+Everything here must run before JAX initialises its backends, so it sits at import time of conftest.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+    n = len(jax.devices())
+    assert n == 8, f"tests expect 8 simulated CPU devices, found {n}: was JAX initialised before conftest?"
+    yield
