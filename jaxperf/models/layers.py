@@ -24,6 +24,11 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: Axes, dtype) -> n
         return nnx.Param(nnx.with_partitioning(init, axes)(rngs.params(), shape, dtype))
 
 
+def _bcast(v: jax.Array, ndim: int) -> jax.Array:
+    """Lift a parameter to broadcast against trailing dims explicitly (tests run with rank promotion 'raise')."""
+    return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
 def _ones(key, shape, dtype):
     return jnp.ones(shape, dtype)
 
@@ -45,9 +50,9 @@ class Norm(nnx.Module):
         if self.kind == "layernorm":
             x = x - jnp.mean(x, axis=-1, keepdims=True)
         x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        x = x * self.scale[...].astype(jnp.float32)
+        x = x * _bcast(self.scale[...].astype(jnp.float32), x.ndim)
         if self.bias is not None:
-            x = x + self.bias[...].astype(jnp.float32)
+            x = x + _bcast(self.bias[...].astype(jnp.float32), x.ndim)
         return x.astype(x_BxLxD.dtype)
 
 
@@ -55,7 +60,7 @@ def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.A
     """Rotary position embedding (rotate-half form) applied in fp32."""
     half = x_BxLxNxDh.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * freq)[:, :, None, :]
+    angle_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
     sin, cos = jnp.sin(angle_BxLx1xHalf), jnp.cos(angle_BxLx1xHalf)
     x = x_BxLxNxDh.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
@@ -90,7 +95,7 @@ class Attention(nnx.Module):
         def proj(w, b, heads_axis):
             y = jnp.einsum("bld,dnh->blnh", x_BxLxD, w[...].astype(dt))
             if b is not None:
-                y = y + b[...].astype(dt)
+                y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
 
         q = checkpoint_name(proj(self.wq_DxHxDh, self.bq_HxDh, "heads"), "attn_proj")
@@ -102,7 +107,7 @@ class Attention(nnx.Module):
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
         y = jnp.einsum("blnh,nhd->bld", o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt))
         if self.bo_D is not None:
-            y = y + self.bo_D[...].astype(dt)
+            y = y + _bcast(self.bo_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
 
 
@@ -126,7 +131,7 @@ class MLP(nnx.Module):
         dt = x_BxLxD.dtype
         h = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
         if self.b_in_F is not None:
-            h = h + self.b_in_F[...].astype(dt)
+            h = h + _bcast(self.b_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
             gate = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
             h = jax.nn.silu(gate) * h
@@ -135,7 +140,7 @@ class MLP(nnx.Module):
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
         if self.b_out_D is not None:
-            y = y + self.b_out_D[...].astype(dt)
+            y = y + _bcast(self.b_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")
 
 

@@ -39,6 +39,11 @@ class TrainState:
     model_state: Any  # nnx.State of non-parameter variables (often empty)
 
 
+def _global_norm(tree) -> jax.Array:
+    tree_api = getattr(optax, "tree", None)
+    return tree_api.norm(tree) if hasattr(tree_api, "norm") else optax.global_norm(tree)
+
+
 def _param_axes(abstract_params: nnx.State) -> Any:
     """Pure-dict tree of logical-axis tuples (None where a parameter carries no annotation)."""
     axes = jax.tree.map(_compat.variable_logical_axes, abstract_params, is_leaf=lambda v: isinstance(v, nnx.Variable))
@@ -174,7 +179,7 @@ class Task:
                 params = optax.apply_updates(state.params, updates)
             metrics = {
                 "loss": total_loss / total_w,
-                "grad_norm": optax.global_norm(grads),
+                "grad_norm": _global_norm(grads),
                 "tokens": total_w,
             }
             if schedule is not None:

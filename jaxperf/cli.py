@@ -1,0 +1,84 @@
+"""Command line: `jaxperf train [--preset NAME] [key=value ...]` and `jaxperf info`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _quiet_platform() -> None:
+    # Without an accelerator plugin, JAX's probing of TPU/GPU backends prints warnings; an explicit JAX_PLATFORMS wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from jaxperf.config import ConfigError, get_config
+    from jaxperf.train.trainer import Trainer
+
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        trainer = Trainer(cfg)
+    except ConfigError as e:
+        print(f"jaxperf train: {e}", file=sys.stderr)
+        return 2
+    summary = trainer.fit()
+    losses = summary["losses"]
+    if losses:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"loss {first:.4f} -> {last:.4f} over {len(losses)} steps; checkpoint in {trainer.run_dir / 'checkpoints'}")
+    if cfg.sample_tokens and trainer.tokenizer is not None:
+        text = trainer.sample(summary["state"], cfg.sample_prompt, cfg.sample_tokens)
+        print("---- sample ----")
+        print(text)
+        print("----------------")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxperf.config import ConfigError, get_config
+    from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
+    from jaxperf.perf.hardware import chip_for, peak_flops
+
+    import flax
+    import optax
+
+    devices = jax.devices()
+    print(f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, python {sys.version.split()[0]}")
+    print(f"platform {jax.default_backend()}: {len(devices)} devices ({devices[0].device_kind}), "
+          f"{jax.process_count()} process(es), {len(jax.local_devices())} local")
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        shape = mesh_shape(cfg.parallel, len(devices))
+        print(f"mesh for preset {args.preset or 'tiny'}: " + " ".join(f"{a}={shape[a]}" for a in MESH_AXES)
+              + f", strategy {cfg.parallel.strategy}")
+    except ConfigError as e:
+        print(f"mesh: {e}")
+    chip = chip_for(devices[0])
+    if chip:
+        print(f"{chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s bf16, {chip.fp32_flops / 1e12:.1f} TFLOP/s fp32, "
+              f"HBM {chip.hbm_bytes / 2**30:.0f} GiB at {chip.hbm_bw / 1e12:.2f} TB/s, "
+              f"interconnect {chip.interconnect_bw / 1e9:.0f} GB/s")
+    else:
+        peak, _ = peak_flops("float32")
+        print(f"no table entry for {devices[0].device_kind!r}: measured {peak / 1e9:.1f} GFLOP/s fp32 matmul per device")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_platform()
+    parser = argparse.ArgumentParser(prog="jaxperf", description="Train and measure Transformers with JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, fn, help_ in (("train", cmd_train, "train a model"), ("info", cmd_info, "devices, mesh and peaks")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")
+        p.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. max_steps=20 model.n_layers=2)")
+        p.set_defaults(fn=fn)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

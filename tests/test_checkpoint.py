@@ -1,0 +1,171 @@
+"""Tests for jaxperf.train.checkpoint: exact round trips, async commit + retention, restore onto other meshes, errors."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxperf.train.checkpoint import Checkpointer
+
+
+def _mesh(shape, names, n=None):
+    devices = np.asarray(jax.devices()[: n or int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+def _train_state():
+    """{step, params (nested dict with int keys), opt_state (a real optax chain state after one update)}."""
+    sharded = NamedSharding(_mesh((8,), ("data",)), P("data"))
+    replicated = NamedSharding(sharded.mesh, P())
+    key = jax.random.key(0)
+    params = {
+        "embed": jax.device_put(jax.random.normal(key, (16, 4)), sharded),
+        "layers": {
+            i: {"w": jax.device_put(jax.random.normal(jax.random.fold_in(key, i), (8, 8)), sharded),
+                "b": jax.device_put(jnp.full((3,), float(i)), replicated)}
+            for i in range(2)
+        },
+    }
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    opt_state = tx.init(params)
+    grads = jax.tree.map(lambda p: p * 0.5 + 1.0, params)
+    _, opt_state = tx.update(grads, opt_state, params)  # non-zero moments and count
+    return {"step": np.int32(7), "tokens_seen": 12345, "params": params, "opt_state": opt_state}
+
+
+def _assert_same_tree(restored, expected):
+    assert jax.tree.structure(restored) == jax.tree.structure(expected)
+    for (path, got), want in zip(jax.tree_util.tree_leaves_with_path(restored), jax.tree.leaves(expected)):
+        name = jax.tree_util.keystr(path)
+        assert type(got) is type(want), name
+        assert np.asarray(got).dtype == np.asarray(want).dtype, name
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name, strict=True)
+        if isinstance(want, jax.Array):
+            assert got.sharding == want.sharding, name
+
+
+def test_round_trip_optax_state_and_metadata(tmp_path):
+    state = _train_state()
+    metadata = {"data": {"position": 4096, "shard": 3}, "config": {"lr": 1e-3, "layers": [2, 4], "name": "tiny"}}
+    with Checkpointer(tmp_path, keep=2) as ckpt:
+        assert ckpt.save(7, state, metadata=metadata)
+        ckpt.wait()
+        # Target given as concrete arrays (e.g. a freshly initialised state) ...
+        restored, meta = ckpt.restore(7, state)
+        _assert_same_tree(restored, state)
+        assert meta == metadata
+        # ... or as abstract ShapeDtypeStructs with shardings (what jax.eval_shape + shardings give).
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, state
+        )
+        restored, meta = ckpt.restore(None, abstract)
+        _assert_same_tree(restored, state)
+        assert isinstance(restored["opt_state"][1][0], optax.ScaleByAdamState)
+        assert type(restored["tokens_seen"]) is int and restored["tokens_seen"] == 12345
+
+
+def test_async_save_wait_and_retention(tmp_path):
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(_mesh((8,), ("data",)), P("data")))
+    ckpt = Checkpointer(tmp_path, keep=2, keep_every=2, async_save=True)
+    assert ckpt.latest_step() is None and ckpt.all_steps() == []
+    for step in range(1, 6):
+        assert ckpt.save(step, {"x": x + step}, metadata={"step": step})
+    ckpt.wait()
+    assert ckpt.latest_step() == 5
+    assert ckpt.all_steps() == [2, 4, 5]
+    assert not ckpt.save(5, {"x": x})  # already saved
+    assert not ckpt.save(3, {"x": x})  # older than the latest, not forced
+    ckpt.close()
+    on_disk = sorted(int(name) for name in os.listdir(tmp_path) if name.isdigit())
+    assert on_disk == [2, 4, 5]
+    # A new Checkpointer on the same directory sees the committed steps and their contents.
+    with Checkpointer(tmp_path, keep=2, keep_every=2) as again:
+        assert again.all_steps() == [2, 4, 5]
+        restored, meta = again.restore(4, {"x": x})
+        np.testing.assert_array_equal(np.asarray(restored["x"]), np.arange(8.0) + 4)
+        assert meta == {"step": 4}
+
+
+def test_latest_step_only_reports_committed_steps(tmp_path):
+    big = {"x": jnp.ones((16, 256, 1024), jnp.float32)}  # 16 MiB: the background write outlasts the checks below
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        for step in (1, 2):
+            assert ckpt.save(step, big)
+            latest = ckpt.latest_step()  # the save of `step` is most likely still in flight here
+            assert latest in (None, *ckpt.all_steps())
+            assert latest is None or os.path.isdir(tmp_path / str(latest)), (latest, os.listdir(tmp_path))
+        ckpt.wait()
+        assert ckpt.latest_step() == 2 and os.path.isdir(tmp_path / "2")
+
+
+def test_save_survives_donation_of_source_buffers(tmp_path):
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(_mesh((8,), ("data",)), P("data")))
+    target = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    expected = np.asarray(x)
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.save(1, {"x": x})
+        x.delete()  # what a donating train step does right after save() returns
+        restored, _ = ckpt.restore(1, {"x": target})
+    np.testing.assert_array_equal(np.asarray(restored["x"]), expected)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, names, spec",
+    [((4,), ("x",), P("x")), ((2, 4), ("a", "b"), P("a", "b")), ((2, 4), ("a", "b"), P(("b", "a")))],
+    ids=["8to4", "1dto2d", "1dto2d-flat"],
+)
+def test_restore_onto_another_mesh(tmp_path, mesh_shape, names, spec):
+    state = _train_state()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, metadata={"mesh": "data=8"})
+    mesh = _mesh(mesh_shape, names)
+
+    def retarget(x):  # 2-D leaves get the new spec, the rest is replicated over the new mesh
+        if not isinstance(x, jax.Array):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec if x.ndim == 2 else P()))
+
+    target = jax.tree.map(retarget, state)
+    with Checkpointer(tmp_path) as ckpt:
+        restored, meta = ckpt.restore(None, target)
+    assert meta == {"mesh": "data=8"}
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for got, want, tgt in zip(jax.tree.leaves(restored), jax.tree.leaves(state), jax.tree.leaves(target)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), strict=True)
+        if isinstance(tgt, jax.ShapeDtypeStruct):
+            assert got.sharding == tgt.sharding
+            assert len(got.sharding.device_set) == int(np.prod(mesh_shape))
+    assert restored["params"]["embed"].sharding.spec == spec
+
+
+def test_nothing_to_restore_names_directory_and_steps(tmp_path):
+    target = {"x": np.zeros(3, np.float32)}
+    with Checkpointer(tmp_path / "empty") as ckpt:
+        with pytest.raises(FileNotFoundError, match=str(tmp_path / "empty")):
+            ckpt.restore(None, target)
+        ckpt.save(3, {"x": np.ones(3, np.float32)})
+        with pytest.raises(FileNotFoundError, match=r"step 9 .*available steps: \[3\]"):
+            ckpt.restore(9, target)
+        restored, meta = ckpt.restore(3, target)
+    np.testing.assert_array_equal(restored["x"], np.ones(3, np.float32), strict=True)
+    assert meta == {}
+
+
+def test_structure_mismatch_and_bad_leaves_are_clear_errors(tmp_path):
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        with pytest.raises(TypeError, match="'name'"):
+            ckpt.save(1, {"w": np.ones(2), "name": "not an array"})
+        assert ckpt.all_steps() == []
+        ckpt.save(1, {"w": np.ones(2), "b": np.zeros(2)})
+        assert ckpt.latest_step() == 1
+        with pytest.raises(ValueError, match=r"not in checkpoint: \['c'\]; not in target: \['b'\]"):
+            ckpt.restore(1, {"w": np.ones(2), "c": np.zeros(2)})
+        with pytest.raises(ValueError):  # shape differs from the saved one: no silent padding/truncation
+            ckpt.restore(1, {"w": jax.ShapeDtypeStruct((3,), jnp.float32), "b": np.zeros(2)})

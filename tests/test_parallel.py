@@ -1,0 +1,164 @@
+"""Strategy parity: every rule table gives the single-device numbers, and really shards what it says it shards."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig
+from jaxperf.models import GPT
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel.rules import get_rules
+from jaxperf.train.optimizer import make_optimizer
+from jaxperf.train.step import Task, decay_mask, next_token_loss
+
+# 8 heads so that tp=8 divides them; 2 scanned layers; vocab 256; fp32 for tight comparisons.
+MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=8, max_seq_len=32)
+BATCH, SEQ = 16, 32
+
+MESHES = {
+    "dp": dict(data=8, fsdp=1, tensor=1),
+    "fsdp": dict(data=1, fsdp=8, tensor=1),
+    "tp": dict(data=1, fsdp=1, tensor=8),
+    "fsdp_tp": dict(data=1, fsdp=4, tensor=2),
+    "data_fsdp_tp": dict(data=2, fsdp=2, tensor=2),
+}
+STRATEGY = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "fsdp_tp": "fsdp_tp", "data_fsdp_tp": "fsdp_tp"}
+
+# Shard shape of every parameter (and of its Adam moments) per mesh, written out by hand from the rule tables:
+# fsdp splits each weight's embed dim; tp splits heads, kv_heads, mlp and vocab; the data axis replicates weights.
+# Global shapes: embed (256, 64), pos (32, 64), norms (64,) / (2, 64), wq/wk/wv (2, 64, 8, 8), wo (2, 8, 8, 64),
+# bq/bk/bv (2, 8, 8), bo (2, 64), w_in (2, 64, 256), b_in (2, 256), w_out (2, 256, 64), b_out (2, 64).
+SHARD_SHAPES = {
+    #                                dp               fsdp            tp               fsdp_tp          data_fsdp_tp
+    "embed_VxD": [(256, 64), (256, 8), (32, 64), (128, 16), (128, 32)],
+    "pos_LxD": [(32, 64), (32, 8), (32, 64), (32, 16), (32, 32)],
+    "final_norm/scale": [(64,), (8,), (64,), (16,), (32,)],
+    "final_norm/bias": [(64,), (8,), (64,), (16,), (32,)],
+    "blocks/attn_norm/scale": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "blocks/attn_norm/bias": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "blocks/mlp_norm/scale": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "blocks/mlp_norm/bias": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "blocks/attn/wq_DxHxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
+    "blocks/attn/wk_DxKxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
+    "blocks/attn/wv_DxKxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
+    "blocks/attn/wo_HxDhxD": [(2, 8, 8, 64), (2, 8, 8, 8), (2, 1, 8, 64), (2, 4, 8, 16), (2, 4, 8, 32)],
+    "blocks/attn/bq_HxDh": [(2, 8, 8), (2, 8, 8), (2, 1, 8), (2, 4, 8), (2, 4, 8)],
+    "blocks/attn/bk_KxDh": [(2, 8, 8), (2, 8, 8), (2, 1, 8), (2, 4, 8), (2, 4, 8)],
+    "blocks/attn/bv_KxDh": [(2, 8, 8), (2, 8, 8), (2, 1, 8), (2, 4, 8), (2, 4, 8)],
+    "blocks/attn/bo_D": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "blocks/mlp/w_in_DxF": [(2, 64, 256), (2, 8, 256), (2, 64, 32), (2, 16, 128), (2, 32, 128)],
+    "blocks/mlp/b_in_F": [(2, 256), (2, 256), (2, 32), (2, 128), (2, 128)],
+    "blocks/mlp/w_out_FxD": [(2, 256, 64), (2, 256, 8), (2, 32, 64), (2, 128, 16), (2, 128, 32)],
+    "blocks/mlp/b_out_D": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+}
+ORDER = list(MESHES)
+
+
+def _flat(tree) -> dict[str, jax.Array]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = leaf
+    return out
+
+
+def _batches(n: int):
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "inputs": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
+            "targets": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
+            "mask": (rng.random((BATCH, SEQ)) > 0.1).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _run(mesh_kw: dict, strategy: str, n_steps: int, devices=None, microbatches: int = 1, model=MODEL):
+    """Train n_steps; returns (final state, losses, host copy of the params after each step)."""
+    mesh = make_mesh(ParallelConfig(strategy=strategy, **mesh_kw), devices)
+    rules = get_rules(strategy, mesh)
+    make = lambda rngs: GPT(model, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None)
+    # eps=1e-3: Adam's first steps are ~lr * sign(g), so with the usual eps a gradient that is pure rounding noise
+    # would move its parameter by up to lr; a larger eps keeps the comparison about sharding, not about noise.
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-3)
+    tx, sched = make_optimizer(optim, 10, decay_mask(probe.param_axes, probe.abstract_params))
+    task = Task.create(make, mesh, rules, tx)
+    state = task.init_state()
+    step = task.train_step(next_token_loss, microbatches=microbatches, schedule=sched)
+    losses, history = [], []
+    for batch in _batches(n_steps):
+        state, metrics = step(state, jax.device_put(batch, task.batch_sharding()))
+        losses.append(float(metrics["loss"]))
+        history.append(jax.device_get(state.params))
+    return state, losses, history
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    return _run(dict(data=1, fsdp=1, tensor=1), "dp", 3, devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_strategy_matches_single_device(name, single_device):
+    state, losses, history = _run(MESHES[name], STRATEGY[name], 3)
+    _, ref_losses, ref_history = single_device
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{name}: losses")
+    for n_steps in (1, 3):
+        ref = _flat(ref_history[n_steps - 1])
+        for path, leaf in _flat(history[n_steps - 1]).items():
+            np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6,
+                                       err_msg=f"{name}: {path} after {n_steps} steps")
+
+    # Numbers alone do not prove anything was sharded: check every shard shape against the table.
+    col = ORDER.index(name)
+    params = _flat(state.params)
+    assert set(params) == set(SHARD_SHAPES), set(params) ^ set(SHARD_SHAPES)
+    adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = chain(scale_by_adam, ...) -> ScaleByAdamState
+    for label, tree in (("param", params), ("mu", _flat(adam.mu)), ("nu", _flat(adam.nu))):
+        for path, leaf in tree.items():
+            shard = leaf.addressable_shards[0].data.shape
+            assert shard == SHARD_SHAPES[path][col], f"{name}: {label} {path} shard {shard} != {SHARD_SHAPES[path][col]}"
+
+
+def test_gqa_llama_under_fsdp_tp():
+    """Llama style with 4 query heads per KV head: shards KV heads over tensor, and matches one device."""
+    llama = ModelConfig(style="llama", d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, max_seq_len=32)
+    state, losses, _ = _run(MESHES["fsdp_tp"], "fsdp_tp", 2, model=llama)
+    ref_state, ref_losses, _ = _run(dict(data=1, fsdp=1, tensor=1), "dp", 2, devices=jax.devices()[:1], model=llama)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    wk = state.params["blocks"]["attn"]["wk_DxKxDh"]
+    assert wk.shape == (2, 64, 2, 8)
+    assert wk.addressable_shards[0].data.shape == (2, 16, 1, 8)
+    np.testing.assert_allclose(np.asarray(wk), np.asarray(ref_state.params["blocks"]["attn"]["wk_DxKxDh"]), rtol=1e-5,
+                               atol=2e-6)
+
+
+def test_gradient_accumulation_equals_large_batch():
+    """2 microbatches of 8 == one batch of 16, including a mask that weights microbatches unequally."""
+    big, big_losses, _ = _run(MESHES["fsdp"], "fsdp", 2, microbatches=1)
+    acc, acc_losses, _ = _run(MESHES["fsdp"], "fsdp", 2, microbatches=2)
+    np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-5)
+    ref = _flat(big.params)
+    for path, leaf in _flat(acc.params).items():
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
+
+
+def test_activation_constraints_follow_rules():
+    """The model pins its activations by logical name: under tp the MLP hidden state is split over `tensor`."""
+    from jaxperf.parallel.rules import activation_sharding
+
+    mesh = make_mesh(ParallelConfig(strategy="tp", data=2, fsdp=1, tensor=4))
+    rules = get_rules("tp", mesh)
+    task = Task.create(lambda r: GPT(MODEL, rngs=r), mesh, rules, None)
+    def hidden_mlp(tokens):
+        with activation_sharding(mesh, rules):
+            model = task.merge(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), task.abstract_params))
+            return model(tokens)
+
+    out = jax.jit(hidden_mlp)(jnp.zeros((4, 16), jnp.int32))
+    # logits carry ("batch", "seq", "vocab"): batch over data (2), vocab over tensor (4)
+    assert out.addressable_shards[0].data.shape == (2, 16, 64)
