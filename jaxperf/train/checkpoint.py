@@ -4,9 +4,9 @@ What it adds to Orbax:
 
 - **Any pytree, exact structure back.** The state is flattened to a flat ``{keypath: leaf}`` dict
   (``jax.tree_util.keystr`` names such as ``"['opt_state'][1][0].mu['w']"``) before it is saved, and restore rebuilds
-  the tree with the *target's* treedef. Optax namedtuple states, empty nodes (``EmptyState``, ``MaskedNode``), dicts with
-  int keys and any registered pytree node therefore round-trip exactly, whatever Orbax thinks of custom nodes. Saved and
-  target key sets must match; a mismatch raises a short ``ValueError`` naming the differing keys.
+  the tree with the *target's* treedef. Optax namedtuple states, empty nodes (``EmptyState``, ``MaskedNode``), dicts
+  with int keys and any registered pytree node therefore round-trip exactly, whatever Orbax thinks of custom nodes.
+  Saved and target key sets must match; a mismatch raises a short ``ValueError`` naming the differing keys.
 - **Scalars.** Python and NumPy scalars are saved as 0-d NumPy arrays and come back as the type the target leaf has.
 - **Restore onto any mesh.** Each target leaf gives shape, dtype and sharding (a ``jax.ShapeDtypeStruct`` or a concrete
   array); arrays are read straight into that sharding, so a checkpoint written on 8 devices restores onto 4, or onto a
@@ -15,9 +15,9 @@ What it adds to Orbax:
 - **Metadata.** A small JSON dict (data position, config...) is saved as a second Orbax item inside the same step
   directory, so it is committed atomically with the arrays.
 
-Orbax facts this relies on (0.12.8): saves go to a temporary directory that is renamed on commit; device-to-host copies
-happen before ``save`` returns (buffers may be donated right after), the writes happen in a background thread. Like every
-Orbax call, ``save``/``restore``/``wait`` must be called by all processes of a multi-process job.
+Orbax facts this relies on (0.12.8): saves go to a temporary directory that is renamed on commit; device-to-host
+copies happen before ``save`` returns (buffers may be donated right after), the writes happen in a background thread.
+Like every Orbax call, ``save``/``restore``/``wait`` must be called by all processes of a multi-process job.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _savable(name: str, leaf: Any) -> Any:
         return leaf
     if isinstance(leaf, (np.ndarray, *_SCALARS)):
         return np.array(leaf)  # a private copy: the caller may mutate its NumPy buffers while the save runs
-    raise TypeError(f"checkpoint state leaf {name} is a {type(leaf).__name__}; expected a jax.Array, a NumPy array or a scalar")
+    raise TypeError(f"checkpoint state leaf {name} is a {type(leaf).__name__}; expected a jax.Array, array or scalar")
 
 
 def _abstract(name: str, leaf: Any) -> Any:
@@ -86,7 +86,7 @@ def _abstract(name: str, leaf: Any) -> Any:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
     if isinstance(leaf, (np.ndarray, *_SCALARS)):
         return np.zeros(np.shape(leaf), np.asarray(leaf).dtype)
-    raise TypeError(f"restore target leaf {name} is a {type(leaf).__name__}; expected a jax.ShapeDtypeStruct or an array")
+    raise TypeError(f"restore target leaf {name} is a {type(leaf).__name__}; expected a ShapeDtypeStruct or an array")
 
 
 def _like(value: Any, target: Any) -> Any:
@@ -114,7 +114,9 @@ class Checkpointer:
         async_save: write in a background thread (``save`` returns once the data is on the host).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int | None = None, async_save: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int | None = None, async_save: bool = True
+    ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         if keep_every is not None and keep_every < 1:
@@ -130,7 +132,7 @@ class Checkpointer:
         self._closed = False
 
     def save(self, step: int, state: Any, *, metadata: dict | None = None, force: bool = False) -> bool:
-        """Starts saving `state` (a pytree of jax.Arrays / NumPy arrays / scalars) and `metadata` (a JSON-able dict) as `step`.
+        """Starts saving `state` (a pytree of jax.Arrays, NumPy arrays, scalars) and `metadata` (a JSON-able dict).
 
         Returns whether a save was started: False, doing nothing, when `step` is already saved, or (unless `force`)
         when it is not newer than the latest step. Asynchronous: returns once the arrays have been copied off the
@@ -150,7 +152,7 @@ class Checkpointer:
 
     def _committed(self) -> list[int]:
         steps = sorted(self._manager.all_steps())
-        if False:
+        if self._pending is not None and self._manager.is_saving_in_progress():
             steps = [s for s in steps if s != self._pending]
         return steps
 
@@ -178,7 +180,9 @@ class Checkpointer:
                 raise FileNotFoundError(f"no checkpoint to restore in {self.directory}: available steps: []")
             step = available[-1]
         elif int(step) not in available:
-            raise FileNotFoundError(f"checkpoint step {step} not found in {self.directory}: available steps: {available}")
+            raise FileNotFoundError(
+                f"checkpoint step {step} not found in {self.directory}: available steps: {available}"
+            )
         step = int(step)
         flat_target, treedef = _flatten(target)
         saved = set(self._manager.item_metadata(step)[_STATE].keys())

@@ -301,12 +301,13 @@ def _default_data(cfg: TrainConfig):
     import dataclasses
 
     from jaxperf.config import ConfigError
-    from jaxperf.data import TokenDataset, corpus_texts, get_tokenizer, load_tokens, split_tokens
+    from jaxperf.data import TokenDataset, corpus_texts, get_tokenizer, load_tokens, source_fingerprint, split_tokens
 
     d = cfg.data
     cache = os.path.expanduser(d.cache_dir)
     tok = get_tokenizer(d.tokenizer, vocab_size=cfg.model.vocab_size, path=d.tokenizer_path,
-                        texts_fn=lambda: corpus_texts(d.source, max_bytes=d.max_bytes), cache_dir=cache)
+                        texts_fn=lambda: corpus_texts(d.source, max_bytes=d.max_bytes), cache_dir=cache,
+                        cache_key=source_fingerprint(d.source, d.max_bytes) if d.tokenizer == "bpe" else None)
     if tok.vocab_size > cfg.model.padded_vocab:
         raise ConfigError(f"the {d.tokenizer} tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
                           f"{cfg.model.padded_vocab}: set model.vocab_size={tok.vocab_size}")

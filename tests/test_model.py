@@ -1,0 +1,140 @@
+"""The Transformer: attention against JAX's own, scan == loop, remat changes memory not numbers, dtypes, RoPE."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxperf.config import ModelConfig
+from jaxperf.models import GPT, REMAT_POLICIES, attention, xla_attention
+from jaxperf.models.layers import rope
+
+SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64, vocab_multiple=64)
+
+
+@pytest.mark.parametrize("heads,kv_heads,causal", [(4, 4, True), (4, 2, True), (4, 1, False), (8, 2, False)])
+def test_xla_attention_matches_jax(heads, kv_heads, causal):
+    kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(kq, (2, 13, heads, 16))
+    k = jax.random.normal(kk, (2, 13, kv_heads, 16))
+    v = jax.random.normal(kv, (2, 13, kv_heads, 16))
+    ours = xla_attention(q, k, v, causal=causal)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_segment_ids_block_attention_across_documents():
+    q = k = v = jax.random.normal(jax.random.key(1), (1, 8, 2, 8))
+    seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    packed = xla_attention(q, k, v, causal=True, segment_ids=seg)
+    first = xla_attention(q[:, :3], k[:, :3], v[:, :3], causal=True)
+    second = xla_attention(q[:, 3:], k[:, 3:], v[:, 3:], causal=True)
+    np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), rtol=1e-6, atol=1e-6)
+
+
+def test_explicit_impl_that_cannot_run_raises():
+    q = jnp.zeros((1, 4, 2, 8))
+    if jax.default_backend() != "gpu":
+        with pytest.raises(RuntimeError, match="cudnn.*cannot run here: cuDNN attention needs an NVIDIA GPU"):
+            attention(q, q, q, impl="cudnn")
+    with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
+        attention(q, q, q, impl="flash")
+    np.testing.assert_array_equal(attention(q, q, q, impl="auto"), xla_attention(q, q, q))
+
+
+def _loss_and_grads(model, tokens):
+    def loss(m):
+        return jnp.mean(m(tokens).astype(jnp.float32) ** 2)
+
+    return nnx.value_and_grad(loss)(model)
+
+
+def _scan_to_loop(scan_model: GPT, loop_model: GPT) -> None:
+    """Copy the stacked [layers, ...] parameters of a scanned model into a looped model's per-layer blocks."""
+    stacked = nnx.to_pure_dict(nnx.state(scan_model.blocks, nnx.Param))
+    for i, block in enumerate(loop_model.blocks):
+        state = nnx.state(block, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: x[i], stacked))
+        nnx.update(block, state)
+    loop_model.embed_VxD[...] = scan_model.embed_VxD[...]
+    if scan_model.pos_LxD is not None:
+        loop_model.pos_LxD[...] = scan_model.pos_LxD[...]
+    nnx.update(loop_model.final_norm, nnx.state(scan_model.final_norm))
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_scanned_layers_equal_looped_layers(style):
+    cfg = dataclasses.replace(SMALL, style=style, n_kv_heads=2 if style == "llama" else None)
+    scan = GPT(cfg, rngs=nnx.Rngs(0))
+    loop = GPT(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(1))
+    _scan_to_loop(scan, loop)
+    tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12) % cfg.vocab_size
+    np.testing.assert_allclose(scan(tokens), loop(tokens), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_remat_policy_is_on_and_changes_no_numbers(policy):
+    tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+    base = GPT(SMALL, rngs=nnx.Rngs(0))
+    remat = GPT(dataclasses.replace(SMALL, remat=policy), rngs=nnx.Rngs(0))
+    (l0, g0), (l1, g1) = _loss_and_grads(base, tokens), _loss_and_grads(remat, tokens)
+    np.testing.assert_allclose(l1, l0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # The checkpoint really is in the program (a remat test that never turns remat on proves nothing).
+    jaxpr = str(jax.make_jaxpr(lambda t: remat(t))(tokens))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    assert "checkpoint" not in str(jax.make_jaxpr(lambda t: base(t))(tokens))
+
+
+def test_bf16_compute_keeps_fp32_params():
+    model = GPT(dataclasses.replace(SMALL, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((1, 8), jnp.int32))
+    assert logits.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
+
+
+def test_tied_and_untied_embeddings():
+    tied = GPT(SMALL, rngs=nnx.Rngs(0))
+    untied = GPT(dataclasses.replace(SMALL, tie_embeddings=False), rngs=nnx.Rngs(0))
+    assert tied.head_DxV is None and untied.head_DxV[...].shape == (32, 64)
+    n = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))  # noqa: E731
+    assert n(untied) - n(tied) == 32 * 64
+
+
+def test_every_parameter_carries_logical_axes():
+    from jaxperf._compat import variable_logical_axes
+
+    names = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers"}
+    for style in ("gpt2", "llama"):
+        model = GPT(dataclasses.replace(SMALL, style=style, tie_embeddings=False), rngs=nnx.Rngs(0))
+        for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+            axes = variable_logical_axes(var)
+            assert axes is not None and len(axes) == var[...].ndim, (path, axes)
+            assert set(axes) <= names, (path, axes)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
+
+    def score(pq, pk):
+        return jnp.sum(rope(q, jnp.array([[pq]]), 10000.0) * rope(k, jnp.array([[pk]]), 10000.0))
+
+    np.testing.assert_allclose(score(5, 2), score(13, 10), rtol=1e-5)
+    assert abs(float(score(5, 2)) - float(score(5, 4))) > 1e-4
+
+
+def test_causality():
+    """Changing a later token never changes an earlier position's logits."""
+    model = GPT(SMALL, rngs=nnx.Rngs(0))
+    a = jnp.arange(10, dtype=jnp.int32)[None]
+    b = a.at[0, 7].set(3)
+    la, lb = model(a), model(b)
+    np.testing.assert_allclose(la[:, :7], lb[:, :7], rtol=1e-6)
+    assert not np.allclose(la[:, 7:], lb[:, 7:])
