@@ -327,21 +327,15 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     return r
 
 
-def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | None = None) -> None:
+def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | None = None, *, model: bool = True):
     """Raise ConfigError for a run that cannot work, before compiling anything.
 
     `mesh_shape` is the resolved mesh ({"data": d, "fsdp": f, "tensor": t}); see jaxperf.parallel.mesh.mesh_shape.
+    `model=False` skips the checks of the built-in model's config (for runs that bring their own model).
     """
     from jaxperf.parallel.mesh import mesh_shape as _mesh_shape
 
-    m = validate_model(cfg.model)
     shape = mesh_shape or _mesh_shape(cfg.parallel, num_devices)
-    seq = cfg.train_seq_len
-    if seq > m.max_seq_len:
-        raise ConfigError(
-            f"seq_len={seq} is above the model's maximum model.max_seq_len={m.max_seq_len}: lower seq_len or raise "
-            f"model.max_seq_len"
-        )
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
         raise ConfigError(
@@ -354,6 +348,15 @@ def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | No
             f"the global batch per microbatch ({cfg.batch_size}/{cfg.microbatches}={micro}) is not divisible by the "
             f"data-parallel size data*fsdp={shape['data']}*{shape['fsdp']}={dp}: use batch_size="
             f"{cfg.microbatches * dp * max(1, round(micro / dp))} or change the mesh"
+        )
+    if not model:
+        return
+    m = validate_model(cfg.model)
+    seq = cfg.train_seq_len
+    if seq > m.max_seq_len:
+        raise ConfigError(
+            f"seq_len={seq} is above the model's maximum model.max_seq_len={m.max_seq_len}: lower seq_len or raise "
+            f"model.max_seq_len"
         )
     t = shape["tensor"]
     for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("mlp_dim", m.mlp_dim)):

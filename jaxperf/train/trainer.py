@@ -120,8 +120,7 @@ class Trainer:
     ):
         devices = list(jax.devices()) if devices is None else devices
         self.mesh_shape = mesh_shape(cfg.parallel, len(devices))
-        if make_model is None:
-            validate(cfg, len(devices), self.mesh_shape)  # every check before anything compiles
+        validate(cfg, len(devices), self.mesh_shape, model=make_model is None)  # every check before compiling
         self.custom_model = make_model is not None
         self.tokenizer = tokenizer
         if train_data is None:
