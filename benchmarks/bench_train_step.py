@@ -1,0 +1,116 @@
+"""How fast is one train step of a preset on these devices? Tokens/s, step time and MFU as one JSON line.
+
+    python benchmarks/bench_train_step.py --preset tiny
+    python benchmarks/bench_train_step.py --preset gpt2-small batch_size=16 model.remat=save_dots --steps 20
+
+Random tokens stand in for data (the step's cost does not depend on them). Compile time is reported apart from run
+time; run time is the median of `--steps` timed steps after `--warmup` untimed ones, each timed to completion with
+block_until_ready. MFU = tokens/s x FLOPs/token (jaxperf.perf.flops) / (devices x peak FLOP/s per device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+
+    import flax
+    import optax
+
+    from jaxperf.config import get_config, to_dict, validate
+    from jaxperf.models import GPT
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.perf.flops import flops_per_token
+    from jaxperf.perf.hardware import peak_flops
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, decay_mask, next_token_loss
+
+    cfg = get_config(args.preset, args.overrides)
+    validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.parallel)
+    rules = get_rules(cfg.parallel.strategy, mesh)
+    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None)
+    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
+    task = Task.create(make, mesh, rules, tx)
+    state = task.init_state()
+    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule)
+
+    B, L = cfg.batch_size, cfg.train_seq_len
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
+    batch = jax.device_put(
+        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((B, L), np.float32)}, task.batch_sharding()
+    )
+
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    first_loss = None
+    for _ in range(args.warmup):
+        state, metrics = compiled(state, batch)
+        first_loss = first_loss if first_loss is not None else float(metrics["loss"])
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    last_loss = float(metrics["loss"])
+    if not np.isfinite(last_loss):
+        raise SystemExit(f"the step produced a non-finite loss ({last_loss}); refusing to report a speed")
+
+    median = statistics.median(times)
+    tokens_per_s = B * L / median
+    fpt = flops_per_token(cfg.model, L)
+    peak, peak_source = peak_flops(cfg.model.dtype)
+    n = mesh.devices.size
+    result = {
+        "benchmark": "train_step",
+        "preset": args.preset,
+        "overrides": args.overrides,
+        "device": jax.devices()[0].device_kind,
+        "platform": jax.default_backend(),
+        "devices": n,
+        "mesh": dict(mesh.shape),
+        "strategy": cfg.parallel.strategy,
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+                     "python": platform.python_version()},
+        "batch_size": B,
+        "seq_len": L,
+        "dtype": cfg.model.dtype,
+        "remat": cfg.model.remat,
+        "compile_s": round(compile_s, 3),
+        "step_time_s": {"median": median, "min": min(times), "max": max(times),
+                        "stdev": statistics.stdev(times) if len(times) > 1 else 0.0},
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": fpt,
+        "peak_flops_per_device": peak,
+        "peak_source": peak_source,
+        "mfu": tokens_per_s * fpt / (n * peak),
+        "loss_first_last": [first_loss, last_loss],
+        "config": to_dict(cfg),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
