@@ -1,3 +1,13 @@
-"""jaxperf: fast, correctly sharded Transformer training in JAX/Flax NNX."""
+"""jaxperf: fast, correctly sharded Transformer training in JAX/Flax NNX.
+
+    from jaxperf import get_config, Trainer
+    Trainer(get_config("tiny", ["max_steps=100"])).fit()
+"""
 
 __version__ = "0.1.0"
+
+from jaxperf.config import ConfigError, TrainConfig, get_config  # noqa: E402
+from jaxperf.models import GPT  # noqa: E402
+from jaxperf.train import Task, Trainer  # noqa: E402
+
+__all__ = ["ConfigError", "GPT", "Task", "TrainConfig", "Trainer", "get_config", "__version__"]

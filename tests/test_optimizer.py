@@ -28,8 +28,8 @@ def test_no_weight_decay_on_norms_and_biases():
     mask = decay_mask(task.param_axes, task.abstract_params)
     blocks = mask["blocks"]
     # Scanned layers give norm scales a shape (layers, D): still not decayed.
-    assert blocks["attn_norm"]["scale"] is False and blocks["attn"]["bq_HxDh"] is False
-    assert blocks["mlp"]["b_in_F"] is False and mask["final_norm"]["bias"] is False
+    assert blocks["attn_norm"]["scale"] is False and blocks["attn"]["bias_q_HxDh"] is False
+    assert blocks["mlp"]["bias_in_F"] is False and mask["final_norm"]["bias"] is False
     assert blocks["attn"]["wq_DxHxDh"] is True and blocks["mlp"]["w_in_DxF"] is True and mask["embed_VxD"] is True
 
     # With zero gradients only weight decay moves parameters: matrices shrink, norm scales stay exactly 1.
@@ -44,7 +44,7 @@ def test_no_weight_decay_on_norms_and_biases():
 def test_global_norm_clipping():
     # With eps >> |g| Adam's update is ~ -lr * g / eps, linear in the (clipped) gradient: [30, 40] has norm 50 and
     # clips to [0.6, 0.8]; without the clip the update would be [-30, -40].
-    tx, _ = make_optimizer(OptimConfig(lr=1e6, warmup_steps=0, grad_clip=1.0, weight_decay=0.0, b1=0.0, b2=0.0,
+    tx, _ = make_optimizer(OptimConfig(lr=1e6, warmup_steps=0, grad_clip=1.0, weight_decay=0.0, b1=0.0, b2=0.0, min_lr_ratio=1.0,
                                        eps=1e6), 10)
     params = {"w": jnp.zeros((2,))}
     updates, _ = tx.update({"w": jnp.array([30.0, 40.0])}, tx.init(params), params)

@@ -82,12 +82,12 @@ class Attention(nnx.Module):
         self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wo_HxDhxD = _param(rngs, out_init, (H, Dh, D), ("heads", "head_dim", "embed"), pd)
         if cfg.use_bias:
-            self.bq_HxDh = _param(rngs, _zeros, (H, Dh), ("heads", "head_dim"), pd)
-            self.bk_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
-            self.bv_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
-            self.bo_D = _param(rngs, _zeros, (D,), ("embed",), pd)
+            self.bias_q_HxDh = _param(rngs, _zeros, (H, Dh), ("heads", "head_dim"), pd)
+            self.bias_k_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
+            self.bias_v_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
+            self.bias_o_D = _param(rngs, _zeros, (D,), ("embed",), pd)
         else:
-            self.bq_HxDh = self.bk_KxDh = self.bv_KxDh = self.bo_D = None
+            self.bias_q_HxDh = self.bias_k_KxDh = self.bias_v_KxDh = self.bias_o_D = None
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None):
         cfg, dt = self.cfg, x_BxLxD.dtype
@@ -98,16 +98,16 @@ class Attention(nnx.Module):
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
 
-        q = checkpoint_name(proj(self.wq_DxHxDh, self.bq_HxDh, "heads"), "attn_proj")
-        k = checkpoint_name(proj(self.wk_DxKxDh, self.bk_KxDh, "kv_heads"), "attn_proj")
-        v = checkpoint_name(proj(self.wv_DxKxDh, self.bv_KxDh, "kv_heads"), "attn_proj")
+        q = checkpoint_name(proj(self.wq_DxHxDh, self.bias_q_HxDh, "heads"), "attn_proj")
+        k = checkpoint_name(proj(self.wk_DxKxDh, self.bias_k_KxDh, "kv_heads"), "attn_proj")
+        v = checkpoint_name(proj(self.wv_DxKxDh, self.bias_v_KxDh, "kv_heads"), "attn_proj")
         if cfg.position == "rope":
             q, k = rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta)
         o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=cfg.attention_impl)
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
         y = jnp.einsum("blnh,nhd->bld", o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt))
-        if self.bo_D is not None:
-            y = y + _bcast(self.bo_D[...].astype(dt), y.ndim)
+        if self.bias_o_D is not None:
+            y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
 
 
@@ -124,14 +124,14 @@ class MLP(nnx.Module):
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
         use_bias = cfg.use_bias
-        self.b_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
-        self.b_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
+        self.bias_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
+        self.bias_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         dt = x_BxLxD.dtype
         h = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
-        if self.b_in_F is not None:
-            h = h + _bcast(self.b_in_F[...].astype(dt), h.ndim)
+        if self.bias_in_F is not None:
+            h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
             gate = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
             h = jax.nn.silu(gate) * h
@@ -139,8 +139,8 @@ class MLP(nnx.Module):
             h = jax.nn.gelu(h, approximate=True)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
-        if self.b_out_D is not None:
-            y = y + _bcast(self.b_out_D[...].astype(dt), y.ndim)
+        if self.bias_out_D is not None:
+            y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")
 
 

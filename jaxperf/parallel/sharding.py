@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,12 +40,6 @@ def per_device_bytes(tree: Any) -> dict[jax.Device, int]:
         for shard in leaf.addressable_shards:
             out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
     return out
-
-
-def ideal_bytes(tree: Any, mesh: Mesh, axes_per_leaf: Any | None = None) -> int:
-    """Bytes per device if every array were split evenly over the whole mesh (the ZeRO-3 ideal)."""
-    total = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "shape"))
-    return total // mesh.devices.size
 
 
 def check_sharding(named_trees: Mapping[str, Any], mesh: Mesh, expected_factor: Mapping[str, int] | None = None) -> dict:

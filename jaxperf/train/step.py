@@ -51,15 +51,23 @@ def _param_axes(abstract_params: nnx.State) -> Any:
 
 
 def decay_mask(params_axes: Any, abstract_params: Any) -> Any:
-    """Weight decay only on matrices: a parameter with fewer than two dims besides a scanned `layers` axis (norm
-    scales, biases) is not decayed."""
+    """True where AdamW should decay: weight matrices and embeddings, not norms or biases.
 
-    def decays(axes, x):
+    A parameter is not decayed when its name starts with `bias` or `scale` (Flax's and jaxperf's naming), or when it
+    has fewer than two dims besides a scanned `layers` axis.
+    """
+
+    def decays(path, axes, x):
+        name = str(getattr(path[-1], "key", getattr(path[-1], "name", path[-1]))) if path else ""
+        if name.startswith(("bias", "scale")):
+            return False
         if axes is None:
             return x.ndim >= 2
         return sum(1 for a in axes if a != "layers") >= 2
 
-    return jax.tree.map(decays, params_axes, abstract_params, is_leaf=lambda a: isinstance(a, tuple) or a is None)
+    return jax.tree_util.tree_map_with_path(
+        decays, params_axes, abstract_params, is_leaf=lambda a: isinstance(a, tuple) or a is None
+    )
 
 
 @dataclass
