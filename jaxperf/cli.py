@@ -1,4 +1,4 @@
-"""Command line: `jaxperf train [--preset NAME] [key=value ...]` and `jaxperf info`."""
+"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `jaxperf info`, `jaxperf bench [names] [--tiny]`."""
 
 from __future__ import annotations
 
@@ -67,10 +67,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from jaxperf.perf.bench import main as bench_main
+
+    return int(bench_main(argv) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_platform()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # the benchmark runner has its own arguments
+        return cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="jaxperf", description="Train and measure Transformers with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="run the benchmark suite (jaxperf bench --help)")
     for name, fn, help_ in (("train", cmd_train, "train a model"), ("info", cmd_info, "devices, mesh and peaks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")

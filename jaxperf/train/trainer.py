@@ -190,6 +190,8 @@ class Trainer:
         if state is None:
             state, start = self.init_or_restore(ckpt)
         self.report_startup(state)
+        if start >= cfg.max_steps:
+            _log(f"the run in {self.run_dir} is already at step {start} >= max_steps={cfg.max_steps}: nothing to train")
         train_step, _ = self._steps()
         writer = MetricsWriter(self.run_dir, cfg.tensorboard)
         progress = Progress(cfg.max_steps, start)
