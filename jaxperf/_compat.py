@@ -64,3 +64,12 @@ def variable_value(variable):
     if hasattr(variable, "get_value"):
         return variable.get_value()
     return variable.value  # pragma: no cover
+
+
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
+    """`jax.shard_map` (jax >= 0.7); the experimental one with `check_rep` before that."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover
+
+    return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)  # pragma: no cover

@@ -42,7 +42,9 @@ class ModelConfig:
     remat: str = "none"  # none | full | save_dots | save_dots_no_batch | save_attn_proj
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (parameters stay param_dtype)
     param_dtype: str = "float32"
-    attention_impl: str = "auto"  # auto | xla | cudnn | any name registered with register_attention
+    attention_impl: str = "auto"  # auto | xla | cudnn | pallas | any name registered with register_attention
+    norm_impl: str = "auto"  # auto | xla | pallas (see jaxperf.models.kernels)
+    loss_impl: str = "auto"  # auto | xla | pallas: fused linear + cross-entropy that never builds [tokens, vocab] logits
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -307,6 +309,8 @@ _MODEL_CHOICES = {
     "remat": ("none", "full", "save_dots", "save_dots_no_batch", "save_attn_proj"),
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16"),
+    "norm_impl": ("auto", "xla", "pallas"),
+    "loss_impl": ("auto", "xla", "pallas"),
 }
 
 

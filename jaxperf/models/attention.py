@@ -32,7 +32,11 @@ _WARNED: set[str] = set()
 
 
 def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v: None, priority: int = 0) -> None:
-    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name`."""
+    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name`.
+
+    `unavailable(q, k, v)` returns None when it can run or the reason it cannot; "auto" tries implementations with
+    priority >= 0, highest first.
+    """
     _REGISTRY[name] = _Impl(fn, unavailable, priority)
 
 
@@ -81,8 +85,22 @@ def _cudnn_unavailable(q, k, v) -> str | None:
     return None
 
 
+def _pallas(q, k, v, *, causal=True, segment_ids=None):
+    from jaxperf.models.kernels import pallas_attention
+
+    return pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _pallas_unavailable(q, k, v):
+    from jaxperf.models.kernels import _pallas_attention_unavailable
+
+    return _pallas_attention_unavailable(q, k, v)
+
+
 register_attention("xla", xla_attention, priority=0)
 register_attention("cudnn", _cudnn_attention, _cudnn_unavailable, priority=10)
+# Explicit only ("auto" skips it, priority < 0) until a device benchmark shows it faster than the alternatives.
+register_attention("pallas", _pallas, _pallas_unavailable, priority=-1)
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto"):
@@ -91,7 +109,8 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     if impl == "auto":
         reasons = []
-        for name, entry in sorted(_REGISTRY.items(), key=lambda kv: -kv[1].priority):
+        candidates = [kv for kv in _REGISTRY.items() if kv[1].priority >= 0]  # negative priority: explicit only
+        for name, entry in sorted(candidates, key=lambda kv: -kv[1].priority):
             why = entry.unavailable(q, k, v)
             if why is None and not (segment_ids is not None and name == "cudnn"):
                 if reasons and name == "xla" and jax.default_backend() == "gpu" and "auto" not in _WARNED:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
+from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param
 from jaxperf.parallel.rules import constrain
 
@@ -58,7 +59,8 @@ class GPT(nnx.Module):
             self.blocks = _stacked_blocks(cfg, rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs)
+        self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs,
+                               impl=cfg.norm_impl)
         self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
 
     def hidden(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
@@ -105,6 +107,43 @@ class GPT(nnx.Module):
         h_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
         logits = jnp.einsum("bld,dv->blv", h_BxLxD, self.output_weights().astype(h_BxLxD.dtype))
         return constrain(logits, ("batch", "seq", "vocab"))
+
+
+    def next_token_loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Masked next-token cross-entropy (fp32): (mean over unmasked tokens, {"weight": unmasked tokens}).
+
+        With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
+        [tokens, vocab] logits; otherwise the logits are materialised in fp32.
+        """
+        inputs, targets = batch["inputs"], batch["targets"]
+        mask = batch.get("mask")
+        mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+        impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: _loss_unavailable())
+        if impl == "xla":
+            return cross_entropy_from_logits(self(inputs), targets, mask)
+        h_BxLxD = self.hidden(inputs)
+        B, L, D = h_BxLxD.shape
+        total, count = kernels.linear_cross_entropy(
+            h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
+            mask.reshape(B * L), impl="pallas")
+        return total / jnp.maximum(count, 1.0), {"weight": count}
+
+
+def _loss_unavailable() -> str | None:
+    try:
+        import pallas_kernels.cross_entropy  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        return f"pallas_kernels.cross_entropy is not importable: {e}"
+    return None
+
+
+def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):
+    """(mean of -log p(target) over the mask, {"weight": mask sum}) with the softmax in fp32."""
+    logits = logits_BxLxV.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+    weight = jnp.sum(mask_BxL)
+    return jnp.sum((logz - target_logit) * mask_BxL) / jnp.maximum(weight, 1.0), {"weight": weight}
 
 
 def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:

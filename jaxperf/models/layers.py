@@ -12,6 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxperf._compat import no_eager_sharding
+from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.parallel.rules import constrain
 
@@ -38,14 +39,28 @@ def _zeros(key, shape, dtype):
 
 
 class Norm(nnx.Module):
-    """LayerNorm (scale and optional bias) or RMSNorm (scale only), computed in fp32."""
+    """LayerNorm (scale and optional bias) or RMSNorm (scale only), computed in fp32.
 
-    def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs):
-        self.kind, self.eps = kind, eps
+    `impl`: "auto" | "xla" | "pallas" (jaxperf.models.kernels). With `residual`, normalises x + residual and returns
+    (normed, x + residual): the pre-norm residual pattern, fused into one pass by the Pallas kernel.
+    """
+
+    def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs,
+                 impl: str = "auto"):
+        self.kind, self.eps, self.impl = kind, eps, impl
         self.scale = _param(rngs, _ones, (dim,), ("embed",), param_dtype)
         self.bias = _param(rngs, _zeros, (dim,), ("embed",), param_dtype) if use_bias and kind == "layernorm" else None
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, residual: jax.Array | None = None):
+        if kernels.resolve(self.impl, "norm", lambda: _norm_unavailable(x_BxLxD)) == "pallas":
+            bias = None if self.bias is None else self.bias[...]
+            return kernels.pallas_norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual)
+        if residual is not None:
+            h = x_BxLxD + residual
+            return self._xla(h), h
+        return self._xla(x_BxLxD)
+
+    def _xla(self, x_BxLxD: jax.Array) -> jax.Array:
         x = x_BxLxD.astype(jnp.float32)
         if self.kind == "layernorm":
             x = x - jnp.mean(x, axis=-1, keepdims=True)
@@ -54,6 +69,14 @@ class Norm(nnx.Module):
         if self.bias is not None:
             x = x + _bcast(self.bias[...].astype(jnp.float32), x.ndim)
         return x.astype(x_BxLxD.dtype)
+
+
+def _norm_unavailable(x) -> str | None:
+    try:
+        from pallas_kernels.norms import unavailable_reason
+    except ImportError as e:  # pragma: no cover
+        return f"pallas_kernels.norms is not importable: {e}"
+    return unavailable_reason(x)
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
@@ -148,14 +171,16 @@ class Block(nnx.Module):
     """Pre-norm Transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs)
+        kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs,
+                  impl=cfg.norm_impl)
         self.attn_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
-        x_BxLxD = x_BxLxD + self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
+        attn_out = self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
+        normed, x_BxLxD = self.mlp_norm(attn_out, residual=x_BxLxD)  # x + attn, normalised in the same pass
         x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
-        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        x_BxLxD = x_BxLxD + self.mlp(normed)
         return constrain(x_BxLxD, ("batch", "seq", "embed"))

@@ -131,6 +131,20 @@ def activation_sharding(mesh: Mesh, rules: Rules):
         _ACTIVE.reset(token)
 
 
+def current() -> tuple[Mesh, Rules] | None:
+    """The (mesh, rules) installed by `activation_sharding`, or None outside it."""
+    return _ACTIVE.get()
+
+
+def activation_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> P | None:
+    """The PartitionSpec `constrain` would use for these names, or None outside `activation_sharding`."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    return logical_to_spec(logical_axes, rules.activations, mesh, shape)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """`with_sharding_constraint` by logical names; a no-op outside `activation_sharding` (e.g. eager calls)."""
     active = _ACTIVE.get()

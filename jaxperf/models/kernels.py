@@ -1,0 +1,142 @@
+"""The model's hot ops with a choice of implementation: "auto" | "xla" | "pallas".
+
+A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (inside `activation_sharding`) each kernel
+runs in a `shard_map` over the axes its operands are sharded on: the batch over the data-parallel axes, heads over
+`tensor`. Without a mesh the kernel is called directly.
+
+"auto" is the XLA path everywhere for now: on CPU the kernels only run under the interpreter, and on GPU/TPU they take
+over from XLA once a benchmark on that device shows them faster (benchmarks/bench_kernels.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxperf import _compat
+from jaxperf.parallel.rules import activation_spec, current
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve(impl: str, op: str, unavailable_reason) -> str:
+    """"xla" or "pallas"; an explicit "pallas" that cannot run raises with the kernel's reason."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op} impl {impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        return "xla"
+    if impl == "pallas":
+        why = unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"{op} impl 'pallas' cannot run here: {why}. Use impl='auto' or 'xla'.")
+    return impl
+
+
+def _batch_axes(spec: P | None):
+    return spec[0] if spec is not None and len(spec) > 0 else None
+
+
+def _flat_axes(axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def sharded(fn, in_specs, out_specs):
+    """Run `fn` per shard when a mesh is active, else directly."""
+    active = current()
+    if active is None:
+        return fn
+    mesh, _ = active
+    return _compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention: registered with the model's attention dispatch as impl "pallas".
+
+
+def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+    from pallas_kernels.flash_attention import flash_attention
+
+    q_spec = activation_spec(("batch", "seq", "heads", "head_dim"), q.shape)
+    kv_spec = activation_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape)
+    if q_spec is None:
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+    q_spec, kv_spec = _pad_spec(q_spec, 4), _pad_spec(kv_spec, 4)
+    seg_spec = P(q_spec[0], None)
+    if segment_ids is None:
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+        return sharded(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
+    fn = lambda q, k, v, s: flash_attention(q, k, v, causal=causal, segment_ids=s)  # noqa: E731
+    return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec), q_spec)(q, k, v, segment_ids)
+
+
+def _pallas_attention_unavailable(q, k, v):
+    try:
+        from pallas_kernels.flash_attention import unavailable_reason
+    except ImportError as e:  # pragma: no cover
+        return f"pallas_kernels.flash_attention is not importable: {e}"
+    return unavailable_reason(q, k, v)
+
+
+def _pad_spec(spec: P, ndim: int) -> P:
+    return P(*(tuple(spec) + (None,) * (ndim - len(spec))))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Norms
+
+
+def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
+    """The Pallas LayerNorm / RMSNorm over the last dim (the XLA path lives in jaxperf.models.layers.Norm); with
+    `residual`, normalises x + residual and returns (normed, sum)."""
+    from pallas_kernels import norms
+
+    if kind == "layernorm":
+        call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r)  # noqa: E731
+    else:
+        call = lambda x, s, b, r: norms.rms_norm(x, s, eps=eps, residual=r)  # noqa: E731
+    x_spec = activation_spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
+    if x_spec is None:
+        return call(x, scale, bias, residual)
+    x_spec = _pad_spec(x_spec, x.ndim)
+    out_specs = (x_spec, x_spec) if residual is not None else x_spec
+    args = (x, scale, bias, residual)
+    specs = (x_spec, P(), None if bias is None else P(), None if residual is None else x_spec)
+    keep = [i for i, a in enumerate(args) if a is not None]
+
+    def per_shard(*present):
+        full = [None] * 4
+        for i, a in zip(keep, present):
+            full[i] = a
+        return call(*full)
+
+    return sharded(per_shard, tuple(specs[i] for i in keep), out_specs)(*(args[i] for i in keep))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused linear + cross-entropy
+
+
+def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
+    """(sum of masked token losses, number of unmasked tokens), never materialising [N, V] logits with "pallas"."""
+    from pallas_kernels import cross_entropy as ce
+
+    which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV))
+    if which == "xla":
+        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl="xla")
+    row = activation_spec(("batch",), (h_NxD.shape[0],))
+    if row is None:
+        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl="pallas")
+    rows = _pad_spec(row, 1)
+    axes = _flat_axes(rows[0])
+
+    def per_shard(h, w, t, m):
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl="pallas")
+        if axes:
+            total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
+        return total, count
+
+    fn = sharded(per_shard, (P(rows[0], None), P(), rows, rows), (P(), P()))
+    return fn(h_NxD, w_DxV, targets_N, mask_N.astype(jnp.float32))
