@@ -138,6 +138,11 @@ class TrainConfig:
     sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)
     sample_prompt: str = "def "
     tensorboard: bool = True  # also write TensorBoard events when tensorboardX is installed
+    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient leaves the state untouched (counted)
+    max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
+    spike_sigma: float = 0.0  # also skip a step whose loss exceeds mean + sigma * std of recent losses (0 = off)
+    spike_window: int = 100
+    loss_scale: str = "auto"  # auto (dynamic for float16 compute) | dynamic | none
 
     @property
     def train_seq_len(self) -> int:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxperf import _compat
 from jaxperf.parallel.rules import Rules, activation_sharding, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
+from jaxperf.train.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -37,6 +38,7 @@ class TrainState:
     params: Any  # nested dict of arrays (the module's nnx.Param values)
     opt_state: Any  # optax state
     model_state: Any  # nnx.State of non-parameter variables (often empty)
+    health: Any  # skip counters, loss scale, recent losses (jaxperf.train.health)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -85,9 +87,11 @@ class Task:
     tx: optax.GradientTransformation
     make_model: Callable[[nnx.Rngs], nnx.Module]
     seed: int
+    health: HealthOptions = HealthOptions()
 
     @classmethod
-    def create(cls, make_model, mesh: Mesh, rules: Rules, tx, *, seed: int = 0) -> "Task":
+    def create(cls, make_model, mesh: Mesh, rules: Rules, tx, *, seed: int = 0,
+               health: HealthOptions | None = None) -> "Task":
         """Trace `make_model(rngs)` abstractly (no memory used) and derive the shardings of its parameters."""
         with _compat.no_eager_sharding():
             abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
@@ -95,7 +99,8 @@ class Task:
         axes = _param_axes(params)
         abstract_params = nnx.to_pure_dict(params)
         shardings = tree_shardings(abstract_params, axes, mesh, rules)
-        return cls(graphdef, params, other, axes, abstract_params, shardings, mesh, rules, tx, make_model, seed)
+        return cls(graphdef, params, other, axes, abstract_params, shardings, mesh, rules, tx, make_model, seed,
+                   health or HealthOptions())
 
     # ----------------------------------------------------------------------------------------------------------------
     def merge(self, params: Any, model_state: Any | None = None) -> nnx.Module:
@@ -109,7 +114,7 @@ class Task:
             model = self.make_model(nnx.Rngs(self.seed))
         _, params, other = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
-        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), other)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), other, init_health(self.health))
 
     def state_shardings(self) -> TrainState:
         """NamedShardings for every leaf of the TrainState: optimizer moments follow their parameters."""
@@ -123,7 +128,8 @@ class Task:
             transform_non_params=lambda _: rep,
         )
         model_state = jax.tree.map(lambda _: rep, abstract.model_state)
-        return TrainState(rep, self.param_shardings, opt, model_state)
+        health = jax.tree.map(lambda _: rep, abstract.health)
+        return TrainState(rep, self.param_shardings, opt, model_state, health)
 
     def abstract_state(self) -> TrainState:
         """ShapeDtypeStructs with shardings: the restore target for checkpoints."""
@@ -138,12 +144,12 @@ class Task:
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         return batch_sharding(self.mesh, self.rules, ndim)
 
-    def _grads(self, loss_fn: LossFn, params, model_state, batch):
-        """(loss, weight, metrics, model_state, grads) for one microbatch."""
+    def _grads(self, loss_fn, params, model_state, batch, scale=1.0):
+        """(loss, weight, metrics, model_state, grads) for one microbatch; loss and grads are times `scale`."""
 
         def f(p):
             model = self.merge(p, model_state)
-            loss, aux = loss_fn(model, batch)
+            loss, aux = loss_fn(model, batch, scale)
             _, _, new_state = nnx.split(model, nnx.Param, ...)
             return loss, (aux, new_state)
 
@@ -153,7 +159,17 @@ class Task:
 
     def train_step(self, loss_fn: LossFn, *, microbatches: int = 1, schedule=None, donate: bool = True):
         """Build the jitted step. `loss_fn(model, batch) -> (mean_loss, aux)`; `aux["weight"]` (e.g. the number of
-        unmasked tokens) weights microbatches so that accumulating k microbatches equals one k-times-larger batch."""
+        unmasked tokens) weights microbatches so that accumulating k microbatches equals one k-times-larger batch.
+
+        Numerical health follows `self.health`: a step with non-finite loss or gradients (or a loss spike, if enabled)
+        leaves params, optimizer and model state untouched and is counted in `state.health`; metrics carry
+        `skipped`, `consecutive_skips` and `loss_scale`."""
+        opts = self.health
+
+        def scaled_loss(model, batch, scale):
+            loss, aux = loss_fn(model, batch)
+            return loss * scale, aux
+
         grad_constraint = lambda g: jax.lax.with_sharding_constraint(g, self.param_shardings)  # noqa: E731
 
         def split_micro(x):
@@ -164,9 +180,11 @@ class Task:
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
         def step(state: TrainState, batch: dict[str, jax.Array]):
+            scale = state.health["loss_scale"] if opts.loss_scale else jnp.ones((), jnp.float32)
             with activation_sharding(self.mesh, self.rules):
                 if microbatches == 1:
-                    loss, weight, _, model_state, grads = self._grads(loss_fn, state.params, state.model_state, batch)
+                    loss, weight, _, model_state, grads = self._grads(
+                        scaled_loss, state.params, state.model_state, batch, scale)
                     total_w, total_loss = weight, loss * weight
                     grads = jax.tree.map(lambda g: g * weight, grads)
                 else:
@@ -174,7 +192,7 @@ class Task:
 
                     def body(carry, mb):
                         g_sum, w_sum, l_sum, ms = carry
-                        loss, w, aux, ms, g = self._grads(loss_fn, state.params, ms, mb)
+                        loss, w, aux, ms, g = self._grads(scaled_loss, state.params, ms, mb, scale)
                         g_sum = jax.tree.map(lambda a, b: a + b * w, g_sum, g)
                         return (grad_constraint(g_sum), w_sum + w, l_sum + loss * w, ms), None
 
@@ -182,17 +200,29 @@ class Task:
                     init = (grad_constraint(zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
                             state.model_state)
                     (grads, total_w, total_loss, model_state), _ = jax.lax.scan(body, init, micro)
-                grads = grad_constraint(jax.tree.map(lambda g: g / total_w, grads))
+                grads = grad_constraint(jax.tree.map(lambda g: g / (total_w * scale), grads))
+                loss = total_loss / (total_w * scale)
                 updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
+            finite = all_finite(grads) & jnp.isfinite(loss)
+            ok = jnp.logical_not(is_spike(state.health, loss, opts))
+            if opts.skip_nonfinite or opts.loss_scale:
+                ok = ok & finite
+            params = select(ok, params, state.params)
+            opt_state = select(ok, opt_state, state.opt_state)
+            model_state = select(ok, model_state, state.model_state)
+            health = update_health(state.health, ok=ok, finite=finite, loss=loss, opts=opts)
             metrics = {
-                "loss": total_loss / total_w,
+                "loss": loss,
                 "grad_norm": _global_norm(grads),
                 "tokens": total_w,
+                "skipped": jnp.logical_not(ok).astype(jnp.int32),
+                "consecutive_skips": health["consecutive"],
+                "loss_scale": state.health["loss_scale"],
             }
             if schedule is not None:
                 metrics["lr"] = schedule(state.step)
-            new_state = TrainState(state.step + 1, params, opt_state, model_state)
+            new_state = TrainState(state.step + 1, params, opt_state, model_state, health)
             return new_state, metrics
 
         shardings = self.state_shardings()

@@ -30,6 +30,7 @@ from jaxperf.parallel.rules import get_rules
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import peak_flops
+from jaxperf.train.health import HealthOptions
 from jaxperf.train.optimizer import make_optimizer
 from jaxperf.train.step import LossFn, Task, TrainState, decay_mask, next_token_loss
 
@@ -139,7 +140,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         probe = Task.create(make_model, self.mesh, self.rules, None, seed=cfg.seed)
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-        self.task = Task.create(make_model, self.mesh, self.rules, self.tx, seed=cfg.seed)
+        self.task = Task.create(make_model, self.mesh, self.rules, self.tx, seed=cfg.seed, health=health_options(cfg))
         self.run_dir = Path(cfg.run_dir)
         self._train_step = None
         self._eval_step = None
@@ -207,6 +208,15 @@ class Trainer:
             nonlocal t_last, step_last
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step `step` only
             losses[step] = m["loss"]
+            if m.get("skipped"):
+                writer.write(step + 1, {"skipped_step": 1.0, "loss": m["loss"], "grad_norm": m["grad_norm"]})
+                _log(f"step {step + 1}: update skipped (loss {m['loss']}, grad norm {m['grad_norm']}), "
+                     f"{int(m['consecutive_skips'])} in a row")
+                if m["consecutive_skips"] >= cfg.max_consecutive_skips:
+                    raise FloatingPointError(
+                        f"{int(m['consecutive_skips'])} consecutive steps were skipped for a non-finite or spiking loss "
+                        f"(the last at step {step + 1}); stopping. The newest checkpoint holds the last good state: "
+                        f"lower the learning rate, check the data near step {step + 1}, or raise max_consecutive_skips")
             done = step + 1
             if done % cfg.log_every == 0 or done == cfg.max_steps:
                 now = time.perf_counter()
@@ -291,6 +301,17 @@ class Trainer:
             key, sub = jax.random.split(key)
             ids.append(int(next_token(params, jnp.asarray(buf), len(ctx) - 1, sub)))
         return self.tokenizer.decode(np.asarray(ids, np.int64))
+
+
+def health_options(cfg: TrainConfig) -> HealthOptions:
+    """The step's numerical-health settings from the run config."""
+    if cfg.loss_scale not in ("auto", "dynamic", "none"):
+        from jaxperf.config import ConfigError
+
+        raise ConfigError(f"loss_scale={cfg.loss_scale!r} is not one of auto, dynamic, none")
+    scaling = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.model.dtype == "float16")
+    return HealthOptions(skip_nonfinite=cfg.skip_nonfinite, spike_sigma=cfg.spike_sigma,
+                         spike_window=cfg.spike_window, loss_scale=scaling)
 
 
 def _gpt_flops(cfg: TrainConfig) -> float:
