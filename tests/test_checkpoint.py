@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.train.checkpoint import Checkpointer, CorruptCheckpointError, checksums
 
 
 def _mesh(shape, names, n=None):
@@ -170,5 +170,108 @@ def test_structure_mismatch_and_bad_leaves_are_clear_errors(tmp_path):
         assert ckpt.latest_step() == 1
         with pytest.raises(ValueError, match=r"not in checkpoint: \['c'\]; not in target: \['b'\]"):
             ckpt.restore(1, {"w": np.ones(2), "c": np.zeros(2)})
-        with pytest.raises(ValueError):  # shape differs from the saved one: no silent padding/truncation
+        # Shape differs from the saved one: no silent padding/truncation, and the message says what to do.
+        with pytest.raises(ValueError, match=r"another configuration: \['w'\]: saved \(2,\), target \(3,\)"):
             ckpt.restore(1, {"w": jax.ShapeDtypeStruct((3,), jnp.float32), "b": np.zeros(2)})
+        with pytest.raises(ValueError, match="another model"):  # no fallback to older steps for this
+            ckpt.restore_latest({"w": np.ones(2), "c": np.zeros(2)})
+        assert ckpt.all_steps() == [1]
+
+
+def test_checksum_ignores_sharding_and_sees_one_flipped_bit():
+    x = jax.random.normal(jax.random.key(1), (64, 32))
+    sharded = jax.device_put(x, NamedSharding(_mesh((2, 4), ("a", "b")), P("a", "b")))
+    one_device = jax.device_put(x, jax.devices()[3])
+    base = checksums({"x": sharded})["x"]
+    assert checksums({"x": one_device})["x"] == base
+    assert checksums({"x": np.asarray(x).reshape(-1)[None]})["x"] != base  # host leaf: another hash, also fine
+    bits = np.asarray(x).view(np.uint32).copy()
+    bits[17, 5] ^= 1 << 9
+    assert checksums({"x": jnp.asarray(bits.view(np.float32))})["x"] != base
+    swapped = np.asarray(x).copy()
+    swapped[[0, 1]] = swapped[[1, 0]]  # same values, other places
+    assert checksums({"x": jnp.asarray(swapped)})["x"] != base
+    for dtype in (jnp.bfloat16, jnp.int8, jnp.bool_, jnp.uint32):
+        y = x.astype(dtype)
+        assert checksums({"y": y})["y"].startswith(f"{y.dtype}:")
+
+
+def _largest_file(root):
+    files = [os.path.join(d, f) for d, _, names in os.walk(root) for f in names]
+    return max(files, key=os.path.getsize)
+
+
+def _flip_bytes(step_dir):
+    path = _largest_file(step_dir / "state")
+    data = bytearray(open(path, "rb").read())
+    for i in range(len(data) // 3, len(data) // 3 + 8):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    return path
+
+
+def _truncate(step_dir):
+    path = _largest_file(step_dir / "state")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    return path
+
+
+def _delete_manifest(step_dir):
+    path = step_dir / "state" / "manifest.ocdbt"
+    os.remove(path)
+    return path
+
+
+def _garble_metadata(step_dir):
+    path = step_dir / "meta" / "metadata"
+    path.write_text('{"data_step": 3, "__checksums__": {')
+    return path
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's reader after a failed read
+@pytest.mark.parametrize("damage", [_flip_bytes, _truncate, _delete_manifest, _garble_metadata],
+                         ids=["flipped-bytes", "truncated", "no-manifest", "garbled-metadata"])
+def test_corrupt_step_is_reported_and_restore_falls_back(tmp_path, damage, caplog):
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (256, 64)), NamedSharding(_mesh((8,), ("data",)), P("data")))
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), "n": np.int32(0)}
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"x": x + step, "n": np.int32(step)}, metadata={"data_step": step})
+    damage(tmp_path / "3")
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        assert ckpt.latest_step() == 3  # committed, so Orbax lists it; only reading it shows the damage
+        with pytest.raises(CorruptCheckpointError, match=r"step 3 .*corrupt"):
+            ckpt.restore(3, target)
+        with caplog.at_level("WARNING", logger="jaxperf.checkpoint"):
+            state, meta, step = ckpt.restore_latest(target)
+        assert step == 2 and meta == {"data_step": 2} and int(state["n"]) == 2
+        np.testing.assert_array_equal(np.asarray(state["x"]), np.asarray(x + 2))
+        assert "checkpoint step 3" in caplog.text and "falling back" in caplog.text
+        # The damaged step is moved aside, not deleted, and no longer blocks a new save of step 3.
+        assert ckpt.all_steps() == [1, 2] and (tmp_path / "3.corrupt").is_dir()
+        assert ckpt.save(3, {"x": x, "n": np.int32(33)}, force=True)
+        ckpt.wait()
+        assert int(ckpt.restore_latest(target)[0]["n"]) == 33
+
+
+def test_checksum_mismatch_names_the_array(tmp_path):
+    """Data that decodes fine but is not what was written (here: rewritten behind the checkpoint's back)."""
+    sharding = NamedSharding(_mesh((8,), ("data",)), P("data"))
+    a = jax.device_put(jnp.arange(64.0), sharding)
+    with Checkpointer(tmp_path, keep=3, async_save=False) as ckpt:
+        ckpt.save(1, {"a": a, "b": a})
+        ckpt.save(2, {"a": a + 1, "b": a})
+    # Swap in step 1's array files under step 2's index: both decode, the values are step 1's.
+    import shutil
+
+    shutil.rmtree(tmp_path / "2" / "state")
+    shutil.copytree(tmp_path / "1" / "state", tmp_path / "2" / "state")
+    target = {"a": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)} | {
+        "b": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)}
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(CorruptCheckpointError, match=r"\['a'\] .*does not match the checksum"):
+            ckpt.restore(2, target)
+        restored, _ = ckpt.restore(2, target, verify=False)  # the escape hatch reads it anyway
+        np.testing.assert_array_equal(np.asarray(restored["a"]), np.arange(64.0))

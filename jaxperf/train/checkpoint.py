@@ -14,6 +14,12 @@ What it adds to Orbax:
 - **Committed-only view.** ``latest_step``/``all_steps`` leave out a step whose asynchronous save is still running.
 - **Metadata.** A small JSON dict (data position, config...) is saved as a second Orbax item inside the same step
   directory, so it is committed atomically with the arrays.
+- **Checksums.** Orbax commits atomically but does not notice flipped bits in array data. Every array gets a 64-bit
+  checksum at save time (computed on device over the *global* array, so it does not depend on the mesh), stored with the
+  metadata and verified after every restore, also onto another mesh. NumPy leaves get a SHA-256 of their bytes.
+- **Fallback.** ``restore_latest`` tries the newest committed step first; a step that fails to read (truncated file,
+  missing manifest, garbled metadata) or fails its checksums is reported by step, directory and array or file, moved
+  aside to ``<step>.corrupt`` (never deleted) and the next older step is tried.
 
 Orbax facts this relies on (0.12.8): saves go to a temporary directory that is renamed on commit; device-to-host
 copies happen before ``save`` returns (buffers may be donated right after), the writes happen in a background thread.
@@ -22,19 +28,32 @@ Like every Orbax call, ``save``/``restore``/``wait`` must be called by all proce
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "CorruptCheckpointError", "checksums"]
 
 _STATE, _META = "state", "meta"  # Orbax item names inside each step directory.
+_CHECKSUMS = "__checksums__"  # key of the checksum table inside the saved metadata
 _SCALARS = (bool, int, float, np.generic)
+
+
+_logger = logging.getLogger("jaxperf.checkpoint")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else "")[:limit]
 
 
 class _DropOrbaxInfo(logging.Filter):
@@ -98,6 +117,56 @@ def _like(value: Any, target: Any) -> Any:
     return value
 
 
+class CorruptCheckpointError(RuntimeError):
+    """A committed checkpoint step that cannot be read back as it was written."""
+
+    def __init__(self, step: int, directory: str, reason: str):
+        self.step, self.directory, self.reason = step, directory, reason
+        super().__init__(f"checkpoint step {step} in {directory} is corrupt: {reason}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checksums: two position-weighted sums of the array's bits, mod 2**32. Integer sums are exact and associative, so
+# the value is the same however the array is sharded; the weights make it sensitive to where a bit flipped.
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _array_checksum(x: jax.Array) -> jax.Array:
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    bits = bits.reshape(-1)
+    idx = jnp.arange(bits.shape[0], dtype=jnp.uint32)
+    h1 = jnp.sum(bits * (2 * idx + 1), dtype=jnp.uint32)
+    mixed = (bits ^ (idx * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B)
+    h2 = jnp.sum(mixed ^ (mixed >> 13), dtype=jnp.uint32)
+    return jnp.stack([h1, h2])
+
+
+@functools.partial(jax.jit)
+def _device_checksums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {name: _array_checksum(x) for name, x in arrays.items()}
+
+
+def checksums(flat: dict[str, Any]) -> dict[str, str]:
+    """``{name: "<dtype>:<hex>"}`` for a flat dict of jax.Arrays (on device, any sharding) and NumPy values."""
+    device = {n: x for n, x in flat.items() if isinstance(x, jax.Array) and x.dtype.itemsize <= 4}
+    out: dict[str, str] = {}
+    groups: dict[frozenset, dict[str, jax.Array]] = {}  # one jitted call per set of devices the arrays live on
+    for name, x in device.items():
+        groups.setdefault(frozenset(d.id for d in x.sharding.device_set), {})[name] = x
+    for group in groups.values():
+        for name, h in jax.device_get(_device_checksums(group)).items():
+            out[name] = f"{device[name].dtype}:{int(h[0]):08x}{int(h[1]):08x}"
+    for name, x in flat.items():
+        if name not in out:
+            a = np.ascontiguousarray(np.asarray(x))
+            out[name] = f"{a.dtype}:" + hashlib.sha256(a.tobytes() + str(a.shape).encode()).hexdigest()[:16]
+    return out
+
+
 def _diff(names: list[str], limit: int = 5) -> str:
     if not names:
         return "nothing"
@@ -144,6 +213,9 @@ class Checkpointer:
         flat, _ = _flatten(state)
         flat = {name: _savable(name, leaf) for name, leaf in flat.items()}
         meta = json.loads(json.dumps(metadata or {}))  # fails here, not in the writer thread; a snapshot of the dict
+        if _CHECKSUMS in meta:
+            raise ValueError(f"metadata key {_CHECKSUMS!r} is reserved for the array checksums")
+        meta[_CHECKSUMS] = checksums(flat)  # before save() returns: the caller may donate the buffers right after
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(flat), _META: ocp.args.JsonSave(meta)})
         started = self._manager.save(step, args=args, force=True)
         if started:
@@ -165,13 +237,14 @@ class Checkpointer:
         """All committed steps still kept, ascending."""
         return self._committed()
 
-    def restore(self, step: int | None, target: Any) -> tuple[Any, dict]:
+    def restore(self, step: int | None, target: Any, *, verify: bool = True) -> tuple[Any, dict]:
         """Restores `step` (None: the latest) into the structure, shapes and shardings of `target`.
 
         `target` leaves are ``jax.ShapeDtypeStruct``s with a sharding (without one: the default device), concrete
         jax.Arrays (their shape/dtype/sharding are used) or NumPy arrays/scalars (restored on the host, same type).
         Returns ``(state, metadata)``. Waits for a pending save first. Raises FileNotFoundError if there is no such
-        step, ValueError if the saved keys or shapes differ from the target's.
+        step, ValueError if the saved keys or shapes differ from the target's (a checkpoint of another model), and
+        CorruptCheckpointError if the step cannot be read or (with `verify`) an array fails its checksum.
         """
         self.wait()
         available = self.all_steps()
@@ -183,21 +256,98 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"checkpoint step {step} not found in {self.directory}: available steps: {available}"
             )
-        step = int(step)
+        return self._restore_step(int(step), target, verify)
+
+    def restore_latest(self, target: Any, *, verify: bool = True) -> tuple[Any, dict, int]:
+        """Restores the newest step that reads back intact: ``(state, metadata, step)``.
+
+        A corrupt step is reported (a warning naming the step, directory and reason), moved aside to
+        ``<step>.corrupt`` so that a later save of the same step is not refused, and the next older step is tried.
+        Raises FileNotFoundError when there is no step, or none intact (listing why each failed); a ValueError for a
+        checkpoint of another model is raised at once (falling back would not help).
+        """
+        self.wait()
+        failures = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self._restore_step(step, target, verify)
+            except CorruptCheckpointError as e:
+                _logger.warning("%s; falling back to an older step", e)
+                failures.append(str(e))
+                self._quarantine(step)
+                continue
+            return state, meta, step
+        if failures:
+            raise FileNotFoundError(f"no intact checkpoint in {self.directory}: " + " | ".join(failures))
+        raise FileNotFoundError(f"no checkpoint to restore in {self.directory}: available steps: []")
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _restore_step(self, step: int, target: Any, verify: bool) -> tuple[Any, dict]:
+        where = self.directory
         flat_target, treedef = _flatten(target)
-        saved = set(self._manager.item_metadata(step)[_STATE].keys())
-        missing, extra = sorted(set(flat_target) - saved), sorted(saved - set(flat_target))
+        try:
+            saved_meta = self._manager.item_metadata(step)[_STATE]
+            saved = dict(saved_meta.items())
+        except Exception as e:  # noqa: BLE001 - any failure to read the array index means an unreadable step
+            raise CorruptCheckpointError(step, where, f"cannot read the array index in {self._step_dir(step)}/"
+                                         f"{_STATE}: {type(e).__name__}: {e}") from e
+        missing, extra = sorted(set(flat_target) - set(saved)), sorted(set(saved) - set(flat_target))
         if missing or extra:
             raise ValueError(
-                f"checkpoint {self.directory}/{step} does not match the target: "
+                f"checkpoint {self._step_dir(step)} does not match the target (a checkpoint of another model?): "
                 f"not in checkpoint: {_diff(missing)}; not in target: {_diff(extra)}"
+            )
+        wrong = [f"{n}: saved {tuple(saved[n].shape)}, target {tuple(np.shape(leaf))}"
+                 for n, leaf in flat_target.items()
+                 if getattr(saved[n], "shape", None) is not None and tuple(saved[n].shape) != tuple(np.shape(leaf))]
+        if wrong:
+            raise ValueError(
+                f"checkpoint {self._step_dir(step)} has arrays of other shapes than the target, so it comes from a "
+                f"model with another configuration: {_diff(wrong, 3)}. Restore with the configuration it was saved "
+                "with (its config.json sits in the run directory), or start a new run directory."
             )
         abstract = {name: _abstract(name, leaf) for name, leaf in flat_target.items()}
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()})
-        restored = self._manager.restore(step, args=args)
+        try:
+            restored = self._manager.restore(step, args=args)
+            meta = restored[_META]
+            if not isinstance(meta, dict):
+                raise ValueError(f"metadata is a {type(meta).__name__}, not a dict")
+        except Exception as e:  # noqa: BLE001 - truncated files, missing manifests, garbled JSON all end up here
+            raise CorruptCheckpointError(step, where, f"reading {self._step_dir(step)} failed: "
+                                         f"{type(e).__name__}: {_first_line(e)}") from e
         flat = restored[_STATE]
+        meta = dict(meta)
+        expected = meta.pop(_CHECKSUMS, None)
+        if verify and expected is not None:
+            got = checksums(flat)
+            bad = [n for n, h in got.items() if n in expected and expected[n].split(":")[0] == h.split(":")[0]
+                   and expected[n] != h]
+            if bad:
+                raise CorruptCheckpointError(step, where, f"array data of {_diff(bad, 3)} in {self._step_dir(step)}/"
+                                             f"{_STATE} does not match the checksum written with it")
         leaves = [_like(flat[name], leaf) for name, leaf in flat_target.items()]
-        return jax.tree_util.tree_unflatten(treedef, leaves), dict(restored[_META] or {})
+        return jax.tree_util.tree_unflatten(treedef, leaves), meta
+
+    def _quarantine(self, step: int) -> None:
+        """Moves a corrupt step aside (kept for inspection) and makes Orbax forget it."""
+        if jax.process_index() == 0:
+            src = self._step_dir(step)
+            dst = src + ".corrupt"
+            if os.path.exists(dst):
+                dst = f"{src}.corrupt.{int(time.time())}"
+            try:
+                os.rename(src, dst)
+                _logger.warning("moved corrupt checkpoint %s to %s", src, dst)
+            except OSError as e:
+                _logger.warning("could not move corrupt checkpoint %s aside: %s", src, e)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxperf_quarantine_{step}")
+        self._manager.reload()
 
     def wait(self) -> None:
         """Blocks until pending asynchronous saves are committed (and old steps deleted); re-raises their errors."""
