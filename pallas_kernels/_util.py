@@ -1,0 +1,80 @@
+"""Helpers shared by the norm and cross-entropy kernels: interpret default, padding, per-backend compiler params.
+
+The Pallas backend follows the type of `compiler_params` (jax 0.10 to 0.12): `pltpu.CompilerParams` lowers with Mosaic
+TPU, `pltriton.CompilerParams` with Triton on NVIDIA/AMD GPUs. In interpret mode no params are passed: the kernel runs
+as a scan over the grid on whatever backend is present (the only way to run it on CPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_BACKENDS = ("tpu", "gpu")
+
+
+def resolve_backend(backend: str | None) -> str:
+    """The platform the kernel is lowered for: `backend` if given, else JAX's default backend ("cpu", "gpu", "tpu")."""
+    if backend is None:
+        backend = jax.default_backend()
+    backend = backend.lower()
+    return "gpu" if backend in ("cuda", "rocm") else backend
+
+
+def resolve_interpret(interpret: bool | None, backend: str) -> bool:
+    """interpret=None means: interpret where there is no compiled Pallas backend (CPU)."""
+    if interpret is None:
+        return backend not in SUPPORTED_BACKENDS
+    return bool(interpret)
+
+
+def check_runnable(interpret: bool, backend: str, op: str) -> None:
+    """An explicit non-interpret request on a backend without a Pallas lowering fails before tracing, with the fix."""
+    if not interpret and backend not in SUPPORTED_BACKENDS:
+        raise ValueError(
+            f"{op}: Pallas kernels compile only for {SUPPORTED_BACKENDS}, not backend={backend!r}; "
+            "pass interpret=True (or None) to run the kernel body on CPU, or impl='xla'."
+        )
+
+
+def compiler_params(backend: str, interpret: bool, dimension_semantics: tuple[str, ...], *, num_warps: int = 4):
+    """Backend-specific compiler params for pl.pallas_call (None in interpret mode)."""
+    if interpret:
+        return None
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+    if backend == "gpu":
+        from jax.experimental.pallas import triton as pltriton
+
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    raise ValueError(f"no Pallas compiler params for backend={backend!r}")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """Pad `x` along `axis` up to `size` (no copy when already that size)."""
+    extra = size - x.shape[axis]
+    if extra < 0:
+        raise ValueError(f"cannot pad axis {axis} of shape {x.shape} down to {size}")
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def padded_lanes(d: int, backend: str, interpret: bool) -> int:
+    """Size the minor (feature) dim is padded to: a power of two for Triton, unchanged elsewhere (TPU accepts a full
+    minor dim; interpret mode has no constraint)."""
+    if backend == "gpu" and not interpret:
+        return next_pow2(d)
+    return d

@@ -1,0 +1,11 @@
+"""Flash attention: a Pallas kernel (forward + backward) for [B, L, H, Dh] inputs, GQA/MQA, causal and segment masks.
+
+    out = flash_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, segment_ids=None)
+
+`flash_attention_reference` is the pure-jnp spec; `unavailable_reason` says why the kernel cannot run here (or None).
+"""
+
+from .kernel import BlockSizes, flash_attention, unavailable_reason
+from .reference import flash_attention_reference
+
+__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "unavailable_reason"]

@@ -1,0 +1,61 @@
+"""The spec: attention in pure jnp with fp32 math.
+
+Legend: B batch, L query length, S key length, H query heads, K kv heads, G = H // K, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def split_segment_ids(segment_ids):
+    """`None`, one [B, L] array (queries and keys share it) or a (q_seg [B, L], kv_seg [B, S]) pair."""
+    if segment_ids is None:
+        return None, None
+    if isinstance(segment_ids, (tuple, list)):
+        q_seg, kv_seg = segment_ids
+        return q_seg, kv_seg
+    return segment_ids, segment_ids
+
+
+def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, return_lse=False):
+    """Softmax attention, the spec for `flash_attention`.
+
+    Query i attends key j when (not causal or j <= i + S - L) and the segment ids match; the query block is aligned
+    to the end of the key block.
+
+    Args:
+      q: [B, L, H, Dh]. k, v: [B, S, K, Dh] with H % K == 0 (each kv head serves H // K query heads).
+      causal: causal mask.
+      segment_ids: None, int32 [B, L] (needs L == S) or a (q_seg [B, L], kv_seg [B, S]) tuple.
+      sm_scale: score scale, default Dh ** -0.5.
+      return_lse: also return the logsumexp of the scaled, masked scores.
+
+    Returns:
+      out [B, L, H, Dh] in q.dtype, and lse [B, H, L] float32 when return_lse.
+
+    Example:
+      out = flash_attention_reference(q, k, v, causal=True)
+    """
+    B, L, H, Dh = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = H // K
+    scale = Dh**-0.5 if sm_scale is None else sm_scale
+    q_BxLxKxGxDh = q.astype(jnp.float32).reshape(B, L, K, G, Dh)
+    s_BxKxGxLxS = jnp.einsum("blkgd,bskd->bkgls", q_BxLxKxGxDh, k.astype(jnp.float32)) * scale
+    mask_BxKxGxLxS = jnp.ones((1, 1, 1, L, S), dtype=bool)
+    if causal:
+        mask_LxS = (jnp.arange(L)[:, None] + (S - L)) >= jnp.arange(S)[None, :]
+        mask_BxKxGxLxS = mask_BxKxGxLxS & mask_LxS[None, None, None]
+    q_seg, kv_seg = split_segment_ids(segment_ids)
+    if q_seg is not None:
+        mask_BxKxGxLxS = mask_BxKxGxLxS & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
+    s_BxKxGxLxS = jnp.where(mask_BxKxGxLxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
+    lse_BxKxGxL = jax.nn.logsumexp(s_BxKxGxLxS, axis=-1)
+    p_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - lse_BxKxGxL[..., None])
+    out = jnp.einsum("bkgls,bskd->blkgd", p_BxKxGxLxS, v.astype(jnp.float32))
+    out_BxLxHxDh = out.reshape(B, L, H, Dh).astype(q.dtype)
+    if return_lse:
+        return out_BxLxHxDh, lse_BxKxGxL.reshape(B, H, L)
+    return out_BxLxHxDh

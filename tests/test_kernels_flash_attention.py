@@ -1,0 +1,225 @@
+"""Flash attention kernel vs its jnp reference: forward, gradients, lse, masks, GQA, padding, errors, TPU lowering.
+
+The kernels really run here: on CPU `flash_attention` runs the Pallas bodies in interpret mode.
+Legend: B batch, L query length, S key length, H query heads, K kv heads, Dh head dim.
+"""
+
+import functools
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference, unavailable_reason
+
+# dtype -> (forward atol/rtol, gradient atol/rtol); low precision is compared with the reference on the same inputs.
+TOL = {jnp.float32: (1e-5, 2e-5), jnp.bfloat16: (2e-2, 5e-2), jnp.float16: (5e-3, 1e-2)}
+
+
+def _inputs(B, L, S, H, K, Dh, dtype, segments, seed=0):
+    kq, kk, kv, kc, ks = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(kq, (B, L, H, Dh), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (B, S, K, Dh), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (B, S, K, Dh), jnp.float32).astype(dtype)
+    ct = jax.random.normal(kc, (B, L, H, Dh), jnp.float32)
+    segs = None
+    if segments:
+        # Packed sequences: a new segment starts with probability 5% per position (always >= 1 key per query).
+        seg_BxS = jnp.cumsum(jax.random.bernoulli(ks, 0.05, (B, S)), axis=1).astype(jnp.int32)
+        segs = seg_BxS if L == S else (seg_BxS[:, S - L :], seg_BxS)
+    return q, k, v, ct, segs
+
+
+def _value_and_grads(fn, q, k, v, ct, **kw):
+    def loss(q, k, v):
+        out = fn(q, k, v, **kw)
+        return jnp.sum(out.astype(jnp.float32) * ct), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def _assert_close(actual, expected, tol, what):
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32), np.asarray(expected, np.float32), atol=tol, rtol=tol, err_msg=what
+    )
+
+
+CASES = [
+    # B, L, S, H, K, Dh, causal, segments, dtype
+    (1, 1, 1, 2, 2, 16, True, False, jnp.float32),
+    (2, 77, 77, 4, 2, 32, True, True, jnp.float32),
+    (1, 77, 77, 4, 1, 64, False, False, jnp.float32),
+    (2, 130, 130, 2, 2, 32, False, True, jnp.float32),
+    (1, 130, 130, 4, 1, 16, True, False, jnp.float32),
+    (1, 1, 1, 4, 1, 32, False, True, jnp.float32),
+    (1, 130, 130, 2, 2, 128, True, False, jnp.float32),
+    (1, 1000, 1000, 1, 1, 16, True, True, jnp.float32),
+    (1, 100, 160, 4, 2, 32, True, True, jnp.float32),  # S > L: queries aligned to the end of the keys
+    (2, 77, 77, 4, 2, 64, True, True, jnp.bfloat16),
+    (1, 130, 130, 4, 1, 32, False, False, jnp.bfloat16),
+    (1, 77, 77, 2, 2, 64, True, False, jnp.float16),
+]
+
+
+@pytest.mark.parametrize("B,L,S,H,K,Dh,causal,segments,dtype", CASES)
+def test_forward_and_grads_match_reference(B, L, S, H, K, Dh, causal, segments, dtype):
+    q, k, v, ct, segs = _inputs(B, L, S, H, K, Dh, dtype, segments)
+    out, grads = _value_and_grads(flash_attention, q, k, v, ct, causal=causal, segment_ids=segs)
+    ref_out, ref_grads = _value_and_grads(flash_attention_reference, q, k, v, ct, causal=causal, segment_ids=segs)
+    assert out.shape == (B, L, H, Dh) and out.dtype == dtype
+    fwd_tol, grad_tol = TOL[dtype]
+    _assert_close(out, ref_out, fwd_tol, "out")
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.shape == rg.shape and g.dtype == dtype, name
+        _assert_close(g, rg, grad_tol, name)
+
+
+def test_small_blocks_many_tiles_gqa_segments():
+    """Several q and k tiles per kernel with fwd/bwd tiles of different sizes: exercises the causal loop bounds."""
+    q, k, v, ct, segs = _inputs(2, 130, 130, 4, 2, 32, jnp.float32, True, seed=1)
+    blocks = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=32, block_k_dkv=16)
+    for causal in (True, False):
+        out, grads = _value_and_grads(
+            flash_attention, q, k, v, ct, causal=causal, segment_ids=segs, block_sizes=blocks
+        )
+        ref_out, ref_grads = _value_and_grads(flash_attention_reference, q, k, v, ct, causal=causal, segment_ids=segs)
+        _assert_close(out, ref_out, 1e-5, f"out {causal=}")
+        for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+            _assert_close(g, rg, 2e-5, f"{name} {causal=}")
+
+
+def test_causal_skips_fully_masked_blocks():
+    """NaN values in keys that no query of the first half may see: a kernel that visits those blocks turns NaN."""
+    q, k, v, _, _ = _inputs(1, 256, 256, 2, 1, 16, jnp.float32, False)
+    v = v.at[:, 128:].set(jnp.nan)
+    blocks = BlockSizes(64, 64, 64, 64, 64, 64)
+    out = flash_attention(q, k, v, causal=True, block_sizes=blocks)
+    ref = flash_attention_reference(q[:, :128], k[:, :128], v[:, :128], causal=True)
+    _assert_close(out[:, :128], ref, 1e-5, "first half")
+    assert np.isnan(np.asarray(out[:, 128:])).any()  # the NaNs really were reachable
+
+
+def _count_pallas_calls(fn, *args):
+    return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+
+def test_pallas_backward_matches_reference_backward_and_is_used():
+    q, k, v, ct, segs = _inputs(1, 77, 77, 4, 2, 32, jnp.float32, True, seed=2)
+    grads = {}
+    for backward in ("pallas", "reference"):
+        fn = functools.partial(flash_attention, causal=True, segment_ids=segs, backward=backward)
+        _, grads[backward] = _value_and_grads(fn, q, k, v, ct)
+        n_calls = _count_pallas_calls(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * ct), (0, 1, 2)), q, k, v)
+        # forward kernel, plus the dq and dk/dv kernels when the backward is Pallas
+        assert n_calls == (3 if backward == "pallas" else 1), (backward, n_calls)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads["pallas"], grads["reference"]):
+        _assert_close(g, rg, 2e-5, name)
+
+
+@pytest.mark.parametrize("causal,segments", [(True, True), (False, False)])
+def test_lse_and_its_gradient_match_reference(causal, segments):
+    q, k, v, _, segs = _inputs(2, 130, 130, 4, 1, 32, jnp.float32, segments, seed=3)
+    kw = dict(causal=causal, segment_ids=segs, return_lse=True)
+    out, lse = flash_attention(q, k, v, **kw)
+    ref_out, ref_lse = flash_attention_reference(q, k, v, **kw)
+    assert lse.shape == (2, 4, 130) and lse.dtype == jnp.float32
+    _assert_close(lse, ref_lse, 1e-5, "lse")
+    _assert_close(out, ref_out, 1e-5, "out")
+
+    def loss(fn):
+        def f(q, k, v):
+            o, l = fn(q, k, v, **kw)
+            return jnp.sum(o * o) + jnp.sum(jnp.sin(l))
+
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+    for name, g, rg in zip(("dq", "dk", "dv"), loss(flash_attention)(q, k, v), loss(flash_attention_reference)(q, k, v)):
+        _assert_close(g, rg, 2e-5, name)
+
+
+def test_custom_scale_and_explicit_interpret():
+    q, k, v, _, _ = _inputs(1, 40, 40, 2, 1, 16, jnp.float32, False, seed=4)
+    out = flash_attention(q, k, v, causal=False, sm_scale=0.3, interpret=True)
+    _assert_close(out, flash_attention_reference(q, k, v, causal=False, sm_scale=0.3), 1e-5, "out")
+
+
+def test_tpu_interpret_params_mode():
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    q, k, v, _, segs = _inputs(1, 77, 77, 2, 1, 16, jnp.float32, True, seed=5)
+    out = flash_attention(q, k, v, causal=True, segment_ids=segs, interpret=pltpu.InterpretParams())
+    _assert_close(out, flash_attention_reference(q, k, v, causal=True, segment_ids=segs), 1e-5, "out")
+
+
+@pytest.mark.parametrize(
+    "q_shape,k_shape,kw,match",
+    [
+        ((1, 8, 3, 16), (1, 8, 2, 16), {}, "query heads 3 must be a multiple of kv heads 2"),
+        ((1, 8, 2, 16), (1, 8, 2, 32), {}, "head dims differ: q has 16, k/v have 32"),
+        ((1, 8, 2, 16), (2, 8, 2, 16), {}, "batch sizes differ: q has 1, k/v have 2"),
+        ((1, 8, 2, 16), (1, 4, 2, 16), {"causal": True}, "S=4 < L=8"),
+        ((1, 8, 2, 16), (1, 8, 2, 16), {"segment_ids": jnp.zeros((1, 7), jnp.int32)}, r"\(1, 8\).*\(1, 7\)"),
+        ((1, 130, 2, 16), (1, 130, 2, 16), {"block_sizes": BlockSizes(128, 128, 96, 128, 128, 128)}, "block_q_dq=96"),
+        ((1, 8, 2, 16), (1, 8, 2, 16), {"block_sizes": BlockSizes(0, 128, 128, 128, 128, 128)}, "block_q=0"),
+        ((1, 8, 2, 16), (1, 8, 2, 16), {"backward": "xla"}, "backward must be"),
+    ],
+)
+def test_bad_inputs_raise_with_numbers(q_shape, k_shape, kw, match):
+    q, k = jnp.zeros(q_shape, jnp.float32), jnp.zeros(k_shape, jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, k, **kw)
+
+
+def test_compiled_head_dim_and_dtype_checks():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(ValueError, match="head dim 16 is not supported when compiled"):
+        flash_attention(q, q, q, interpret=False)
+    with pytest.raises(ValueError, match="dtype int32"):
+        flash_attention(q.astype(jnp.int32), q.astype(jnp.int32), q.astype(jnp.int32))
+
+
+def test_unavailable_reason():
+    q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
+    k = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    assert unavailable_reason(q, k, k) is None  # CPU: interpret mode
+    assert "dtype" in unavailable_reason(q.astype(jnp.int32), k.astype(jnp.int32), k.astype(jnp.int32))
+    assert "kv heads" in unavailable_reason(jnp.zeros((1, 8, 3, 64)), jnp.zeros((1, 8, 2, 64)), jnp.zeros((1, 8, 2, 64)))
+
+
+def test_block_sizes_defaults():
+    for backend in ("cpu", "gpu", "tpu"):
+        blocks = BlockSizes.get_default(backend)
+        for size in (blocks.block_q, blocks.block_k, blocks.block_q_dkv, blocks.block_k_dkv):
+            assert size & (size - 1) == 0 and size >= 16
+    assert BlockSizes.get_default("tpu").block_k % 128 == 0
+
+
+@pytest.mark.parametrize(
+    "L,H,K,Dh,dtype,causal,segments",
+    [(256, 4, 2, 128, jnp.bfloat16, True, True), (200, 2, 1, 64, jnp.float32, False, False)],
+)
+def test_tpu_lowering_compiles_fwd_and_bwd(L, H, K, Dh, dtype, causal, segments):
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip(
+            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
+            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
+        )
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
+    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    q = jax.ShapeDtypeStruct((2, L, H, Dh), dtype, sharding=replicated)
+    kv = jax.ShapeDtypeStruct((2, L, K, Dh), dtype, sharding=replicated)
+    seg = jax.ShapeDtypeStruct((2, L), jnp.int32, sharding=replicated)
+
+    def loss(q, k, v, seg):
+        out = flash_attention(q, k, v, causal=causal, segment_ids=seg if segments else None, backend="tpu")
+        return jnp.sum(out.astype(jnp.float32))
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+    text = compiled.as_text()
+    assert text.count("tpu_custom_call") >= 3, "expected the forward, dq and dk/dv Mosaic kernels in the TPU program"
+    assert compiled.memory_analysis() is not None
