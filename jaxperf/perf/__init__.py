@@ -1,6 +1,22 @@
-"""Performance: FLOP counts for MFU/HFU and per-device hardware peaks."""
+"""Performance: timing, FLOP counts for MFU/HFU, the hardware table, roofline, memory, compilation and profiling.
 
-from jaxperf.perf.flops import flops_per_token, matmul_params
-from jaxperf.perf.hardware import CHIPS, Chip, chip_for, peak_flops
+Submodules import lazily heavy dependencies (matplotlib, flatbuffers) only where used.
+"""
 
-__all__ = ["CHIPS", "Chip", "chip_for", "flops_per_token", "matmul_params", "peak_flops"]
+from jaxperf.perf.compile import aot_compile, enable_compilation_cache, export_fn, export_forward, load_exported
+from jaxperf.perf.flops import flops_per_token, matmul_params, recompute_flops_per_token
+from jaxperf.perf.hardware import CHIPS, Chip, chip_for, describe, format_info, peak_bandwidth, peak_flops
+from jaxperf.perf.memory import (
+    MemoryEstimate, OutOfMemoryAdvice, advise, check_fits, compiled_memory, estimate, live_device_memory,
+)
+from jaxperf.perf.profile import audit_host_syncs, step_annotation, trace
+from jaxperf.perf.roofline import DeviceSpec, RooflinePoint, analyze, plot
+from jaxperf.perf.timing import StepTimer, Timing, benchmark
+
+__all__ = [
+    "CHIPS", "Chip", "DeviceSpec", "MemoryEstimate", "OutOfMemoryAdvice", "RooflinePoint", "StepTimer", "Timing",
+    "advise", "analyze", "aot_compile", "audit_host_syncs", "benchmark", "check_fits", "chip_for", "compiled_memory",
+    "describe", "enable_compilation_cache", "estimate", "export_fn", "export_forward", "flops_per_token",
+    "format_info", "live_device_memory", "load_exported", "matmul_params", "peak_bandwidth", "peak_flops", "plot",
+    "recompute_flops_per_token", "step_annotation", "trace",
+]

@@ -9,8 +9,21 @@ N_matmul counts the parameters used in matrix multiplies: every weight of every 
 projection). The attention term is QK^T and PV: 2 matmuls of L x Dh per head per token, forward 4 * L * H * Dh FLOPs,
 times 3 for training, halved for causal masks because half the score matrix is never needed.
 
-HFU (hardware FLOPs utilisation) also counts work the remat policy makes the hardware redo: with full remat the forward
-runs twice, so 8 instead of 6 per parameter; partial policies sit between (we count them as full: an upper bound).
+HFU (hardware FLOPs utilisation) also counts the forward work the remat policy makes the hardware redo in the backward
+pass (`recompute_flops_per_token`). Each layer is one checkpointed function, so what is recomputed is the part of the
+layer's forward that its backward needs and the policy did not save:
+
+    full                 every matmul of the layer except the MLP output projection (its result only feeds the
+                         residual stream, i.e. the next layer's saved input, so XLA drops it), plus the attention core
+    save_dots            nothing (every matmul output is saved; only elementwise work, which we do not count, is redone)
+    save_dots_no_batch   the attention core (QK^T and PV are the only dots with batch dims)
+    save_attn_proj       the attention core and the MLP input (and gate) projections
+
+These agree with XLA's own count (`compiled.cost_analysis()["flops"]` of a train step) to about 2% on the built-in
+GPT with XLA attention and unrolled layers; tests/test_perf.py checks it. Two things XLA counts differently:
+it computes the whole score matrix, so compare it with `causal=False`; and it counts a `lax.scan` body once, not once
+per layer, so compare with `scan_layers=False`. It also counts elementwise work (norms, softmax, activations), which
+is why its figure sits a little above ours.
 """
 
 from __future__ import annotations
@@ -18,13 +31,20 @@ from __future__ import annotations
 from jaxperf.config import ModelConfig
 
 
+def _layer_matmul_params(r: ModelConfig) -> dict[str, int]:
+    D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
+    return {
+        "qkv": D * H * Dh + 2 * D * K * Dh,
+        "attn_out": H * Dh * D,
+        "mlp_in": (2 if r.mlp_act == "swiglu" else 1) * D * F,
+        "mlp_out": F * D,
+    }
+
+
 def matmul_params(cfg: ModelConfig) -> int:
     """Parameters that take part in matmuls (see module docstring)."""
     r = cfg.resolved()
-    D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
-    attn = D * H * Dh + 2 * D * K * Dh + H * Dh * D
-    mlp = (3 if r.mlp_act == "swiglu" else 2) * D * F
-    return r.n_layers * (attn + mlp) + D * r.padded_vocab
+    return r.n_layers * sum(_layer_matmul_params(r).values()) + r.d_model * r.padded_vocab
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
@@ -34,11 +54,25 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = 
     return full / 2 if causal else full
 
 
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
+    """Matmul FLOPs per token that the remat policy `cfg.remat` recomputes in the backward pass (see module doc)."""
+    r = cfg.resolved()
+    p = _layer_matmul_params(r)
+    attn_fwd = attention_flops_per_token(r, seq_len, causal=causal) / 3
+    if r.remat == "none" or r.remat == "save_dots":
+        return 0.0
+    if r.remat == "full":
+        return 2 * r.n_layers * (p["qkv"] + p["attn_out"] + p["mlp_in"]) + attn_fwd
+    if r.remat == "save_dots_no_batch":
+        return attn_fwd
+    if r.remat == "save_attn_proj":
+        return 2 * r.n_layers * p["mlp_in"] + attn_fwd
+    raise ValueError(f"no recompute count for remat policy {r.remat!r}: add it to recompute_flops_per_token")
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True, hardware: bool = False) -> float:
-    """Training FLOPs per token; `hardware=True` adds the forward recomputed by remat (for HFU)."""
-    per_param = 6
-    attn = attention_flops_per_token(cfg, seq_len, causal=causal)
-    if hardware and cfg.remat != "none":
-        per_param = 8
-        attn *= 4 / 3
-    return per_param * matmul_params(cfg) + attn
+    """Training FLOPs per token; `hardware=True` adds the forward work recomputed by remat (for HFU)."""
+    model = 6 * matmul_params(cfg) + attention_flops_per_token(cfg, seq_len, causal=causal)
+    if hardware:
+        model += recompute_flops_per_token(cfg, seq_len, causal=causal)
+    return model

@@ -1,0 +1,295 @@
+"""Device memory: what a compiled program needs, what the runtime holds, and an estimate before compiling anything.
+
+    est = estimate(cfg, mesh)                 # per-device bytes of params, optimizer, grads, activations, batch
+    print(est)                                # a table; est.total, est.largest()
+    check_fits(est, capacity_bytes)           # raises OutOfMemoryAdvice naming the largest part and what to change
+    compiled_memory(step.lower(state, batch).compile())   # XLA's own accounting of the compiled step
+    live_device_memory()                      # the runtime's counters (GPU/TPU), None on CPU
+
+The estimate is a model of the jaxperf train step, per device:
+
+  params       every parameter in param_dtype, divided by the mesh axes its sharding rule maps it onto (FSDP: the
+               fsdp axis along `embed`; TP: the tensor axis along heads/mlp/vocab; DP: whole on every device)
+  opt_state    AdamW's two moments, same dtype and sharding as the parameters (optax keeps mu/nu in the param dtype)
+  grads        one gradient tree like the parameters; with microbatches > 1 a second one (the accumulator)
+  activations  what the backward pass needs from the forward pass of one microbatch: per layer the tensors the remat
+               policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
+               fp32 logits of the loss with their gradient. The batch is split over data*fsdp, heads/mlp/vocab over
+               tensor.
+  batch        the step's input arrays (inputs, targets int32 and mask fp32) for the whole batch, sharded like it
+  gathered     FSDP all-gathers one layer's weights (and their gradients) in full at a time
+
+Saved per token and layer (s = compute dtype bytes; the XLA attention keeps scores, masked scores, probabilities and
+their gradient in fp32, L x H each):
+
+  none / save_dots      block input, norms, q, k, v, attention scores and probabilities, attention output, residual,
+                        MLP hidden (and gate) and its activation: ~ s*(6D + (H+2K)Dh + H Dh + 3F) + 16 H L
+  save_dots_no_batch    block input, q, k, v, the two output projections, MLP hidden (and gate)
+  save_attn_proj        block input, q, k, v, attention output, MLP output
+  full                  block input only
+
+It is an estimate: XLA fuses elementwise work and reuses buffers, so the compiled program can need less (or some
+scratch more). tests/test_perf.py checks it against `compiled_memory` of the real step on the CPU mesh: the estimate's
+total against argument + temp bytes of the compiled step, within 25%.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxperf.config import ConfigError, ModelConfig, TrainConfig
+
+GiB = 2**30
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """XLA's memory accounting of a compiled program, per device, in bytes.
+
+    Keys: argument, output, alias (output bytes that reuse donated argument buffers), temp (scratch and intermediates),
+    generated_code, and peak: XLA's own peak where the backend reports it, else argument + output - alias + temp
+    (every live buffer at once: an upper bound of the true peak).
+    """
+    ma = compiled.memory_analysis()
+    if ma is None:
+        raise ValueError("this backend reports no memory analysis for compiled programs (memory_analysis() is None)")
+    out = {
+        "argument": int(ma.argument_size_in_bytes),
+        "output": int(ma.output_size_in_bytes),
+        "alias": int(ma.alias_size_in_bytes),
+        "temp": int(ma.temp_size_in_bytes),
+        "generated_code": int(ma.generated_code_size_in_bytes),
+    }
+    bound = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    peak = int(getattr(ma, "peak_memory_in_bytes", 0) or 0)
+    out["peak"] = peak if peak > 0 else bound
+    return out
+
+
+def live_device_memory(device: jax.Device | None = None) -> dict[str, int] | None:
+    """The runtime's memory counters of a device (bytes_in_use, peak_bytes_in_use, bytes_limit...), or None where the
+    platform keeps none (CPU)."""
+    device = device or jax.local_devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - platforms without memory stats raise various errors
+        return None
+    return dict(stats) if stats else None
+
+
+class OutOfMemoryAdvice(ConfigError):
+    """The estimated per-device memory does not fit; the message names the largest part and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device bytes of a training step, before compiling (see the module docstring for each part)."""
+
+    params: int
+    opt_state: int
+    grads: int
+    activations: int
+    batch: int
+    gathered: int
+    cfg: TrainConfig
+    mesh_shape: dict[str, int]
+
+    COMPONENTS = ("params", "opt_state", "grads", "activations", "batch", "gathered")
+
+    @property
+    def total(self) -> int:
+        return sum(self.components().values())
+
+    def components(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.COMPONENTS}
+
+    def largest(self) -> str:
+        c = self.components()
+        return max(c, key=c.get)
+
+    def __str__(self) -> str:
+        mesh = " ".join(f"{a}={s}" for a, s in self.mesh_shape.items())
+        lines = [f"memory per device, strategy {self.cfg.parallel.strategy}, mesh {mesh}, remat {self.cfg.model.remat}, "
+                 f"microbatches {self.cfg.microbatches}:"]
+        for k, v in self.components().items():
+            lines.append(f"  {k:<12} {v / GiB:10.4f} GiB")
+        lines.append(f"  {'total':<12} {self.total / GiB:10.4f} GiB")
+        return "\n".join(lines)
+
+
+def _resolve_mesh(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None) -> dict[str, int]:
+    from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
+
+    if mesh is None:
+        mesh = len(jax.devices())
+    if isinstance(mesh, int):
+        return mesh_shape(cfg.parallel, mesh)
+    shape = dict(mesh.shape) if isinstance(mesh, Mesh) else dict(mesh)
+    return {a: int(shape.get(a, 1)) for a in MESH_AXES}
+
+
+@functools.lru_cache(maxsize=32)
+def _param_leaves(model_cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple | None], ...]:
+    """(shape, dtype, logical axes) of every parameter of the built-in GPT, traced abstractly (no memory used)."""
+    from flax import nnx
+
+    from jaxperf import _compat
+    from jaxperf.models.gpt import GPT
+
+    with _compat.no_eager_sharding():
+        abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    leaves = jax.tree.leaves(params, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    out = []
+    for var in leaves:
+        x = _compat.variable_value(var)
+        out.append((tuple(x.shape), str(x.dtype), _compat.variable_logical_axes(var)))
+    return tuple(out)
+
+
+def _shard_factor(shape, axes, table, mesh_shape: dict[str, int]) -> int:
+    from jaxperf.parallel.rules import logical_to_spec
+
+    spec = logical_to_spec(axes, table, types.SimpleNamespace(shape=mesh_shape), shape)
+    factor = 1
+    for entry in spec:
+        for a in (entry,) if isinstance(entry, str) else (entry or ()):
+            factor *= mesh_shape[a]
+    return factor
+
+
+def _split(n: int, parts: int) -> float:
+    """n over `parts` devices when it divides evenly (the rule shards it), else whole (the rule leaves it replicated)."""
+    return n / parts if parts > 1 and n % parts == 0 else float(n)
+
+
+def _saved_per_token_layer(r: ModelConfig, L: int, t: int) -> tuple[float, float]:
+    """(bytes saved per token per layer under r.remat, bytes of one layer's full working set per token)."""
+    s = jnp.dtype(r.dtype).itemsize
+    D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
+    gate = 2 if r.mlp_act == "swiglu" else 1
+    qkv = _split(H * Dh, t) + 2 * _split(K * Dh, t)
+    o = _split(H * Dh, t)
+    f = _split(F, t)
+    scores = 16 * _split(H * L, t)  # fp32 scores, masked scores, probabilities and their gradient
+    full = s * (6 * D + qkv + o + (gate + 1) * f) + scores
+    saved = {
+        "none": full,
+        "save_dots": full,
+        "save_dots_no_batch": s * (3 * D + qkv + gate * f),
+        "save_attn_proj": s * (3 * D + qkv),
+        "full": s * D,
+    }[r.remat]
+    return saved, full
+
+
+def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) -> MemoryEstimate:
+    """Per-device memory of the jaxperf train step for `cfg` on `mesh` (a Mesh, a device count, or axis sizes).
+
+    Nothing is compiled or allocated: the model is traced abstractly once per model config.
+    """
+    from jaxperf.config import validate
+    from jaxperf.parallel.rules import get_rules
+
+    shape = _resolve_mesh(cfg, mesh)
+    validate(cfg, math.prod(shape.values()), shape)
+    rules = get_rules(cfg.parallel.strategy)
+    r = cfg.model.resolved()
+    params = 0.0
+    layer_full = 0.0  # one layer's weights, whole (what FSDP gathers)
+    for leaf_shape, dtype, axes in _param_leaves(cfg.model):
+        nbytes = math.prod(leaf_shape) * jnp.dtype(dtype).itemsize
+        params += nbytes / _shard_factor(leaf_shape, axes, rules.params, shape)
+        if axes and axes[0] == "layers":
+            layer_full += nbytes / leaf_shape[0] / _shard_factor(leaf_shape[1:], axes[1:], rules.params,
+                                                                  {**shape, "fsdp": 1})
+    dp, t = shape["data"] * shape["fsdp"], shape["tensor"]
+    L = cfg.train_seq_len
+    micro_rows = cfg.batch_size // cfg.microbatches / dp
+    tokens = micro_rows * L
+    saved, full = _saved_per_token_layer(r, L, t)
+    logits = 3 * 4 * _split(r.padded_vocab, t)  # fp32 logits, softmax and their gradient
+    activations = tokens * (r.n_layers * saved + (full if r.remat != "none" else 0) + logits)
+    grads = params * (2 if cfg.microbatches > 1 else 1)
+    batch = cfg.batch_size / dp * L * 3 * 4
+    compute = jnp.dtype(r.dtype).itemsize / jnp.dtype(r.param_dtype).itemsize
+    gathered = 2 * layer_full * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
+    return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
+                          shape)
+
+
+def _with(cfg: TrainConfig, **changes) -> TrainConfig:
+    sections = {k: dataclasses.replace(getattr(cfg, k), **v) for k, v in changes.items() if isinstance(v, dict)}
+    top = {k: v for k, v in changes.items() if not isinstance(v, dict)}
+    return dataclasses.replace(cfg, **sections, **top)
+
+
+def _remedies(est: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
+    """(change, estimate after it) for the changes that address the largest component."""
+    cfg, shape = est.cfg, est.mesh_shape
+    n = math.prod(shape.values())
+    out: list[tuple[str, TrainConfig, dict]] = []
+    largest = est.largest()
+    if largest in ("activations", "batch"):
+        if cfg.model.remat != "full":
+            out.append(("model.remat=full", _with(cfg, model={"remat": "full"}), shape))
+        dp = shape["data"] * shape["fsdp"]
+        m = cfg.microbatches * 2
+        if cfg.batch_size % (m * dp) == 0:
+            out.append((f"microbatches={m}", _with(cfg, microbatches=m), shape))
+        if cfg.batch_size // 2 >= dp * cfg.microbatches and (cfg.batch_size // 2) % (dp * cfg.microbatches) == 0:
+            out.append((f"batch_size={cfg.batch_size // 2}", _with(cfg, batch_size=cfg.batch_size // 2), shape))
+    else:
+        if cfg.parallel.strategy in ("dp", "tp") and n > 1:
+            strategy = "fsdp" if cfg.parallel.strategy == "dp" else "fsdp_tp"
+            new_shape = {"data": 1, "fsdp": shape["data"] * shape["fsdp"], "tensor": shape["tensor"]}
+            new = _with(cfg, parallel={"strategy": strategy, "data": 1, "fsdp": new_shape["fsdp"]})
+            out.append((f"parallel.strategy={strategy} parallel.data=1 parallel.fsdp={new_shape['fsdp']}", new,
+                        new_shape))
+        elif shape["data"] > 1:
+            new_shape = {"data": 1, "fsdp": shape["data"] * shape["fsdp"], "tensor": shape["tensor"]}
+            out.append((f"parallel.data=1 parallel.fsdp={new_shape['fsdp']}",
+                        _with(cfg, parallel={"data": 1, "fsdp": new_shape["fsdp"]}), new_shape))
+    results = []
+    for change, new_cfg, new_shape in out:
+        try:
+            results.append((change, estimate(new_cfg, new_shape)))
+        except ConfigError:
+            continue
+    return results
+
+
+def advise(est: MemoryEstimate, capacity_bytes: float) -> str:
+    """A short report: whether `est` fits `capacity_bytes` per device, its largest component, and what to change (with
+    the estimate after each change)."""
+    comps = est.components()
+    largest = est.largest()
+    share = comps[largest] / est.total if est.total else 0.0
+    head = (f"estimated {est.total / GiB:.3f} GiB per device of {capacity_bytes / GiB:.3f} GiB "
+            f"({'fits' if est.total <= capacity_bytes else 'does NOT fit'}); largest: {largest} "
+            f"{comps[largest] / GiB:.3f} GiB ({100 * share:.0f}%)")
+    lines = [head]
+    remedies = _remedies(est)
+    if largest in ("params", "opt_state", "grads", "gathered") and not remedies:
+        lines.append("  parameters, optimizer state and gradients are already sharded as far as this mesh allows: "
+                     "add devices to the fsdp axis, use param_dtype=bfloat16, or a smaller model")
+    for change, new in remedies:
+        lines.append(f"  try {change}: {new.total / GiB:.3f} GiB ({new.largest()} becomes largest)")
+    return "\n".join(lines)
+
+
+def check_fits(est: MemoryEstimate, capacity_bytes: float, *, headroom: float = 0.9) -> MemoryEstimate:
+    """Return `est` when it fits `headroom * capacity_bytes`, else raise OutOfMemoryAdvice with `advise`'s text."""
+    if est.total > headroom * capacity_bytes:
+        raise OutOfMemoryAdvice(advise(est, headroom * capacity_bytes))
+    return est
+
+
+__all__ = ["MemoryEstimate", "OutOfMemoryAdvice", "advise", "check_fits", "compiled_memory", "estimate",
+           "live_device_memory"]
+

@@ -1,0 +1,267 @@
+"""jaxperf.perf: hardware table, roofline, FLOP counts against XLA, memory estimate, export, host-sync audit, traces."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxperf.config import ModelConfig, get_config
+from jaxperf.models import GPT
+from jaxperf.perf import compile as pcompile
+from jaxperf.perf import hardware, memory, profile, roofline
+from jaxperf.perf.flops import flops_per_token
+
+# ----------------------------------------------------------------------------------------------------------------------
+# hardware
+
+
+@pytest.mark.parametrize("kind,name", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H200", "H200 SXM"),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-PCIE-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
+    ("NVIDIA L4", "L4"), ("TPU v4", "TPU v4"), ("TPU v5 lite", "TPU v5e"), ("TPU v5", "TPU v5p"),
+    ("TPU v6 lite", "TPU v6e"), ("cpu", None),
+])
+def test_chip_table_matches_device_kinds(kind, name):
+    class Fake:
+        device_kind = kind
+
+    chip = hardware.chip_for(Fake())
+    assert (chip.name if chip else None) == name
+
+
+def test_describe_cpu_is_measured_and_formats():
+    d = hardware.describe()
+    assert d["platform"] == "cpu" and d["count"] == 8 and d["source"] == "measured"
+    assert d["fp32_flops"] > 1e8 and d["hbm_bw"] > 1e8, d  # any machine that runs the tests does this much
+    text = hardware.format_info(d)
+    assert "measured" in text and "ridge point" in text
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# roofline (fixed synthetic device so the classification does not depend on this machine)
+
+SYNTH = roofline.DeviceSpec("synthetic", peak_flops=100e12, peak_bw=1e12)  # ridge at 100 FLOP/byte
+
+
+def test_roofline_classifies_matmul_and_add():
+    n = 512
+    a = jax.ShapeDtypeStruct((n, n), jnp.float32)
+    mm = roofline.analyze(jax.jit(lambda x, y: x @ y), a, a, name="matmul", device=SYNTH)
+    add = roofline.analyze(jax.jit(lambda x, y: x + y), a, a, name="add", device=SYNTH)
+    assert mm.flops == pytest.approx(2 * n**3, rel=0.01)
+    assert mm.bytes_accessed == pytest.approx(3 * n * n * 4, rel=0.01)
+    assert mm.intensity == pytest.approx(2 * n**3 / (12 * n * n), rel=0.01)  # 85 FLOP/B... below ridge for n=512
+    assert add.bound == "memory" and add.intensity < 1
+    assert add.attainable_flops == pytest.approx(add.intensity * SYNTH.peak_bw)
+    big = jax.ShapeDtypeStruct((2048, 2048), jnp.float32)
+    mm_big = roofline.analyze(jax.jit(lambda x, y: x @ y), big, big, name="matmul 2048", device=SYNTH)
+    assert mm_big.bound == "compute" and mm_big.attainable_flops == SYNTH.peak_flops
+    assert mm.bound == "memory"  # 85 < 100: small matmuls sit left of this device's ridge
+    timed = roofline.point("x", 1e12, 1e9, SYNTH, time_s=0.1)
+    assert timed.achieved_flops == pytest.approx(1e13) and timed.fraction_of_attainable == pytest.approx(0.1)
+
+
+def test_roofline_plot_writes_png(tmp_path):
+    pts = [roofline.point("add", 1e6, 1.2e7, SYNTH, time_s=1e-4), roofline.point("matmul", 1e12, 1e9, SYNTH)]
+    path = roofline.plot(pts, str(tmp_path / "roof.png"), title="test")
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_roofline_rejects_plain_function():
+    with pytest.raises(TypeError, match="jax.jit"):
+        roofline.analyze(lambda x: x, jnp.ones(3))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# flops_per_token against XLA's count. XLA counts the whole score matrix (compare with causal=False) and a scan body
+# once (so layers are unrolled here); it also counts elementwise work we leave out, so it sits slightly above.
+
+FLOPS_TOL = 0.10
+
+
+def _xla_flops(compiled) -> float:
+    return roofline.cost_analysis(compiled)["flops"]
+
+
+def _grad_flops(cfg: ModelConfig, B: int, L: int) -> float:
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((B, L), jnp.int32)
+
+    def loss(s, t):
+        return jnp.mean(nnx.merge(graphdef, s)(t).astype(jnp.float32))
+
+    return _xla_flops(jax.jit(jax.grad(loss)).lower(state, tokens).compile())
+
+
+@pytest.mark.parametrize("kw", [
+    dict(style="llama", n_kv_heads=2, tie_embeddings=False),
+    dict(style="llama", n_kv_heads=1, remat="full"),
+    dict(style="gpt2", tie_embeddings=False, remat="save_attn_proj"),
+])
+def test_flops_per_token_matches_xla(kw):
+    B, L = 2, 32
+    cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=L, scan_layers=False, attention_impl="xla", **kw)
+    xla = _grad_flops(cfg, B, L)
+    ours = flops_per_token(cfg, L, causal=False, hardware=True) * B * L
+    assert abs(xla / ours - 1) < FLOPS_TOL, f"{kw}: XLA {xla:.4g} vs flops_per_token {ours:.4g} ({xla / ours:.3f})"
+    if cfg.remat != "none":  # the recompute really is counted: without it we would be further from XLA
+        model_only = flops_per_token(cfg, L, causal=False) * B * L
+        assert abs(xla / ours - 1) < abs(xla / model_only - 1) / 2, (xla, ours, model_only)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# memory: the estimate's total against XLA's argument + temp bytes of the compiled train step (per device)
+
+MEM_TOL = 0.25
+
+
+def _compiled_step_memory(cfg):
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, next_token_loss
+
+    n = cfg.parallel.data * max(cfg.parallel.fsdp, 1) * cfg.parallel.tensor
+    mesh = make_mesh(cfg.parallel, jax.devices()[:n])
+    tx, _ = make_optimizer(cfg.optim, 10)
+    task = Task.create(lambda r: GPT(cfg.model, rngs=r), mesh, get_rules(cfg.parallel.strategy, mesh), tx)
+    step = task.train_step(next_token_loss, microbatches=cfg.microbatches)
+    shape = (cfg.batch_size, cfg.train_seq_len)
+    batch = {k: jax.ShapeDtypeStruct(shape, d, sharding=task.batch_sharding())
+             for k, d in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32))}
+    compiled, _ = pcompile.aot_compile(step, task.abstract_state(), batch)
+    return memory.compiled_memory(compiled), mesh
+
+
+@pytest.mark.parametrize("overrides", [
+    ["d_model=64", "n_layers=2", "max_seq_len=64", "batch_size=2", "parallel.strategy=dp", "data=1", "fsdp=1"],
+    ["d_model=64", "n_layers=2", "max_seq_len=64", "batch_size=32", "remat=full", "parallel.strategy=fsdp", "fsdp=8"],
+])
+def test_memory_estimate_close_to_compiled(overrides):
+    cfg = get_config("tiny", overrides)
+    xla, mesh = _compiled_step_memory(cfg)
+    est = memory.estimate(cfg, mesh)
+    compared = xla["argument"] + xla["temp"]
+    assert abs(est.total / compared - 1) < MEM_TOL, f"estimate {est}\nvs XLA {xla} (argument+temp {compared})"
+    # Params + optimizer state + batch are what the step takes as arguments: those must match closely.
+    assert abs((est.params + est.opt_state + est.batch) / xla["argument"] - 1) < 0.05, (est, xla)
+
+
+def test_memory_estimate_sharding_and_advice():
+    base = get_config("tiny", ["d_model=64", "n_layers=2", "max_seq_len=64", "batch_size=64"])
+    dp = memory.estimate(memory._with(base, parallel={"strategy": "dp", "data": 8, "fsdp": 1}), 8)
+    fsdp = memory.estimate(memory._with(base, parallel={"strategy": "fsdp", "data": 1, "fsdp": 8}), 8)
+    # Weights split 8 ways along embed; the few biases without an embed dim (q/k/v, mlp-in) stay whole.
+    assert dp.params / 8 < fsdp.params < 1.1 * dp.params / 8
+    assert fsdp.opt_state == 2 * fsdp.params and dp.activations == fsdp.activations
+    remat = memory.estimate(memory._with(base, model={"remat": "full"}), 8)
+    micro = memory.estimate(memory._with(base, microbatches=2), 8)
+    assert remat.activations < 0.7 * fsdp.activations and micro.activations == pytest.approx(fsdp.activations / 2, abs=2)
+
+    assert fsdp.largest() == "activations"
+    with pytest.raises(memory.OutOfMemoryAdvice, match="largest: activations") as e:
+        memory.check_fits(fsdp, capacity_bytes=fsdp.total / 2)
+    assert "model.remat=full" in str(e.value) and "microbatches=2" in str(e.value)
+    assert dp.largest() in ("opt_state", "params", "activations")
+    small_batch = memory.estimate(memory._with(base, batch_size=8, seq_len=16, parallel={"strategy": "dp", "data": 8, "fsdp": 1}), 8)
+    assert small_batch.largest() == "opt_state"
+    assert "parallel.strategy=fsdp" in memory.advise(small_batch, small_batch.total / 2)
+    assert memory.check_fits(fsdp, capacity_bytes=fsdp.total * 2) is fsdp
+    assert memory.live_device_memory() is None  # CPU keeps no counters
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# compile: cache, AOT, export / import
+
+
+def test_enable_compilation_cache_is_idempotent(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        p1 = pcompile.enable_compilation_cache(tmp_path / "xla")
+        assert pcompile.enable_compilation_cache(tmp_path / "xla") == p1
+        assert jax.config.jax_compilation_cache_dir == p1 and jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        pcompile._CACHE_DIR = None
+
+
+def test_export_forward_roundtrip(tmp_path):
+    cfg = ModelConfig(style="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256, jnp.int32)
+    want = nnx.jit(lambda m, t: m(t))(model, tokens)  # compiled, like the exported program (eager differs in ulps)
+    pcompile.export_forward(model, batch=2, seq_len=16, path=tmp_path / "fwd.jax")
+    got = pcompile.load_exported(tmp_path / "fwd.jax")(pcompile.forward_params(model), tokens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    pcompile.export_forward(model, batch=2, seq_len=16, path=tmp_path / "baked.jax", with_params=True)
+    np.testing.assert_array_equal(np.asarray(pcompile.load_exported(tmp_path / "baked.jax")(tokens)), np.asarray(want))
+
+
+def test_export_train_step_roundtrip(tmp_path):
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, next_token_loss
+
+    cfg = get_config("tiny", ["d_model=32", "n_layers=1", "max_seq_len=16", "parallel.strategy=fsdp", "fsdp=8"])
+    mesh = make_mesh(cfg.parallel)
+    tx, _ = make_optimizer(cfg.optim, 10)
+    task = Task.create(lambda r: GPT(cfg.model, rngs=r), mesh, get_rules("fsdp", mesh), tx)
+    step = task.train_step(next_token_loss, donate=False)
+    state = task.init_state()
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 256, (8, 17)).astype(np.int32)
+    batch = jax.device_put({"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": np.ones((8, 16), np.float32)},
+                           task.batch_sharding())
+    want_state, want_metrics = step(state, batch)
+    pcompile.export_fn(step, state, batch, path=tmp_path / "step.jax")
+    loaded = pcompile.load_exported(tmp_path / "step.jax")
+    assert loaded.flat  # TrainState is a custom pytree: exported over its leaves
+    got = loaded(state, batch)
+    want = jax.tree.leaves((want_state, want_metrics))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# profile
+
+
+def test_host_sync_audit_finds_per_step_reads():
+    step = jax.jit(lambda x: (x * 0.5 + 1.0, jnp.sum(x)))
+    x = jnp.ones((4, 4))
+    with profile.audit_host_syncs() as syncing:
+        for _ in range(5):
+            x, loss = step(x)
+            float(loss)  # the host waits for the device every step
+    assert syncing.count == 5 and len(syncing.by_location()) == 1, syncing.report()
+    assert "test_perf.py" in next(iter(syncing.by_location()))
+
+    with profile.audit_host_syncs() as clean:
+        for _ in range(5):
+            x, loss = step(x)
+        jax.block_until_ready(loss)
+    assert clean.clean, clean.report()
+
+    with profile.audit_host_syncs(disallow=True):
+        x, loss = step(x)
+        with pytest.raises(profile.HostSyncError, match="test_perf.py"):
+            loss.item()
+    # The wrapper is gone after the block: reads are not recorded anywhere.
+    assert profile._originals == {} and isinstance(float(loss), float)
+
+
+def test_trace_writes_files(tmp_path):
+    f = jax.jit(lambda x: x @ x)
+    with profile.trace(tmp_path / "prof") as logdir:
+        for i in range(2):
+            with profile.step_annotation(i):
+                f(jnp.ones((64, 64))).block_until_ready()
+    files = profile.trace_files(logdir)
+    assert any(p.endswith(".xplane.pb") for p in files), files
