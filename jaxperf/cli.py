@@ -13,16 +13,20 @@ def _quiet_platform() -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from jaxperf import distributed
     from jaxperf.config import ConfigError, get_config
     from jaxperf.train.trainer import Trainer
 
     try:
         cfg = get_config(args.preset, args.overrides)
+        distributed.initialize()  # a no-op unless the environment describes several processes
         trainer = Trainer(cfg)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"jaxperf train: {e}", file=sys.stderr)
         return 2
     summary = trainer.fit()
+    if "stopped_at" in summary:
+        return 0  # preempted or interrupted: the checkpoint is saved, the next start continues from it
     losses = summary["losses"]
     if losses:
         first, last = losses[min(losses)], losses[max(losses)]

@@ -132,7 +132,9 @@ class TrainConfig:
     eval_every: int = 100  # 0 disables
     eval_batches: int = 4
     checkpoint_every: int = 100  # 0 = only at the end
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
+    keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
+    handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
     resume: bool = True  # continue from the newest checkpoint in run_dir
     sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)

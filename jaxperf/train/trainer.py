@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,7 +61,8 @@ class MetricsWriter:
     def write(self, step: int, record: dict[str, Any]) -> None:
         if not self.active:
             return
-        clean = {k: (float(v) if isinstance(v, (np.floating, np.integer, float, int)) else v) for k, v in record.items()}
+        clean = {k: (int(v) if isinstance(v, (np.integer, int)) else float(v) if isinstance(v, (np.floating, float)) else v)
+                 for k, v in record.items()}
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -152,21 +156,41 @@ class Trainer:
             self._eval_step = self.task.eval_step(self.loss_fn)
         return self._train_step, self._eval_step
 
-    def make_batch(self, data, step: int) -> dict[str, jax.Array]:
-        """The global batch of `step`, each process reading only its rows, placed on the mesh."""
+    def make_batch(self, data, step: int, digests: dict[int, int] | None = None) -> dict[str, jax.Array]:
+        """The global batch of `step`, each process reading only its rows, placed on the mesh. With `digests`, the
+        CRC-32 of this process's rows is recorded under `step` (logged as batch_crc32: resume checks use it)."""
         from jaxperf.data import process_rows, to_global_array
 
         rows = process_rows(self.cfg.batch_size)
         host = data.batch(step, self.cfg.batch_size, rows=rows)
+        if digests is not None:
+            crc = 0
+            for key in sorted(host):
+                crc = zlib.crc32(np.ascontiguousarray(host[key]).tobytes(), crc)
+            digests[step] = crc
         return to_global_array(host, self.task.batch_sharding(), self.cfg.batch_size)
 
     def init_or_restore(self, checkpointer) -> tuple[TrainState, int]:
+        """The newest intact checkpoint (read straight into this run's shardings, whatever mesh wrote it), or a
+        fresh state. A corrupt newest checkpoint is reported and the one before it is used."""
         if checkpointer is not None and self.cfg.resume and checkpointer.latest_step() is not None:
-            state, meta = checkpointer.restore(None, self.task.abstract_state())
-            start = int(meta.get("data_step", int(state.step)))
-            _log(f"resumed from {self.run_dir / 'checkpoints'} at step {start}")
+            state, meta, _ = checkpointer.restore_latest(self.task.abstract_state())
+            start = int(meta.get("data_step", int(jax.device_get(state.step))))
+            saved_seed = meta.get("seed", self.cfg.seed)
+            if saved_seed != self.cfg.seed:
+                _log(f"warning: the checkpoint was trained with seed={saved_seed} but this run has seed="
+                     f"{self.cfg.seed}: the data order from here on differs from an uninterrupted run")
+            where = f" (saved on mesh {meta['mesh']})" if meta.get("mesh") not in (None, self._mesh_text()) else ""
+            _log(f"resumed from {self.run_dir / 'checkpoints'} at step {start}{where}")
             return state, start
         return self.task.init_state(), 0
+
+    def _mesh_text(self) -> str:
+        return " ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
+
+    def _metadata(self, data_step: int) -> dict:
+        return {"data_step": int(data_step), "seed": self.cfg.seed, "mesh": self._mesh_text(),
+                "processes": jax.process_count()}
 
     def evaluate(self, state: TrainState) -> float:
         _, eval_step = self._steps()
@@ -186,7 +210,8 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints)
+        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints,
+                            keep_every=cfg.keep_checkpoints_every or None)
         start = 0
         if state is None:
             state, start = self.init_or_restore(ckpt)
@@ -200,6 +225,7 @@ class Trainer:
         n_dev = self.mesh.devices.size
         tokens_per_step = cfg.batch_size * cfg.train_seq_len
         losses: dict[int, float] = {}
+        digests: dict[int, int] = {}
         pending = None
         t_last, step_last = time.perf_counter(), start
         summary: dict[str, Any] = {"peak_flops": peak, "peak_source": peak_src}
@@ -208,6 +234,7 @@ class Trainer:
             nonlocal t_last, step_last
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}  # waits for step `step` only
             losses[step] = m["loss"]
+            crc = digests.pop(step, None)
             if m.get("skipped"):
                 writer.write(step + 1, {"skipped_step": 1.0, "loss": m["loss"], "grad_norm": m["grad_norm"]})
                 _log(f"step {step + 1}: update skipped (loss {m['loss']}, grad norm {m['grad_norm']}), "
@@ -224,6 +251,8 @@ class Trainer:
                 t_last, step_last = now, done
                 tps = tokens_per_step / dt
                 m.update(step_time=dt, tokens_per_sec=tps)
+                if crc is not None:
+                    m["batch_crc32"] = crc
                 if self.flops_per_token:
                     m["mfu"] = tps * self.flops_per_token / (peak * n_dev)
                     summary["mfu"] = m["mfu"]
@@ -232,7 +261,8 @@ class Trainer:
                 mfu = f" mfu {100 * m['mfu']:.1f}%" if "mfu" in m else ""
                 progress.update(done, f"loss {m['loss']:.4f} | {tps:,.0f} tok/s | {1e3 * dt:.0f} ms/step{mfu}")
 
-        with Prefetcher(lambda s: self.make_batch(self.train_data, s), start, depth=cfg.data.prefetch) as batches:
+        stop = StopRequest(enabled=cfg.handle_signals)
+        with stop, Prefetcher(lambda s: self.make_batch(self.train_data, s, digests), start, depth=cfg.data.prefetch) as batches:
             for step, batch in batches:
                 if step >= cfg.max_steps:
                     break
@@ -241,6 +271,15 @@ class Trainer:
                     consume(*pending)  # the previous step's metrics, ready or nearly so
                 pending = (step, metrics)
                 done = step + 1
+                if stop.agreed(done) and done < cfg.max_steps:
+                    consume(*pending)
+                    pending = None
+                    progress.close()
+                    ckpt.save(done, state, metadata=self._metadata(done), force=True)
+                    _log(f"{stop.reason}: saved a checkpoint at step {done} in {self.run_dir / 'checkpoints'}; "
+                         "run the same command again to continue")
+                    summary["stopped_at"] = done
+                    break
                 if cfg.eval_every and done % cfg.eval_every == 0 and self.val_data is not None:
                     consume(*pending)
                     pending = None
@@ -250,12 +289,12 @@ class Trainer:
                     _log(f"step {done}: val_loss {val:.4f}")
                     t_last, step_last = time.perf_counter(), done
                 if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                    ckpt.save(done, state, metadata={"data_step": done})
+                    ckpt.save(done, state, metadata=self._metadata(done))
         if pending is not None:
             consume(*pending)
         progress.close()
         if int(jax.device_get(state.step)) > 0:
-            ckpt.save(int(jax.device_get(state.step)), state, metadata={"data_step": start + len(losses)}, force=True)
+            ckpt.save(int(jax.device_get(state.step)), state, metadata=self._metadata(start + len(losses)), force=True)
         ckpt.close()
         writer.close()
         summary.update(state=state, losses=losses, final_loss=losses[max(losses)] if losses else None)
@@ -301,6 +340,57 @@ class Trainer:
             key, sub = jax.random.split(key)
             ids.append(int(next_token(params, jnp.asarray(buf), len(ctx) - 1, sub)))
         return self.tokenizer.decode(np.asarray(ids, np.int64))
+
+
+class StopRequest:
+    """Turns SIGTERM and Ctrl-C into "save at the next step and exit cleanly".
+
+    One process: the signal handler sets a flag the loop reads after each step. Several processes: all of them must
+    save the same step, so the loop asks JAX's preemption sync point (`reached_preemption_sync_point`), which the
+    coordination service triggers on a SIGTERM to any process (and on a TPU maintenance notice) and which answers
+    True on every process at the same step. A second Ctrl-C interrupts at once (KeyboardInterrupt).
+    Handlers are installed only from the main thread, and the previous ones are put back on exit.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.reason: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if not self.enabled or threading.current_thread() is not threading.main_thread():
+            return self
+        signals = [signal.SIGINT]
+        if jax.process_count() == 1:  # with several processes JAX's preemption notifier owns SIGTERM
+            signals.append(signal.SIGTERM)
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = "interrupted (Ctrl-C)" if signum == signal.SIGINT else "terminated (SIGTERM)"
+        print(f"\n{self.reason}: stopping after the current step (Ctrl-C again to stop at once)", file=sys.stderr,
+              flush=True)
+
+    def agreed(self, step: int) -> bool:
+        """Whether to stop after `step`: the same answer on every process."""
+        if not self.enabled:
+            return False
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            if multihost_utils.reached_preemption_sync_point(step):
+                self.reason = self.reason or "preempted"
+                return True
+            return False
+        return self.reason is not None
 
 
 def health_options(cfg: TrainConfig) -> HealthOptions:
