@@ -24,7 +24,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"jaxperf train: {e}", file=sys.stderr)
         return 2
-    summary = trainer.fit()
+    from jaxperf.train.checkpoint import IncompatibleCheckpointError
+
+    try:
+        summary = trainer.fit()
+    except IncompatibleCheckpointError as e:
+        print(f"jaxperf train: cannot resume: {e}", file=sys.stderr)
+        return 2
     if "stopped_at" in summary:
         return 0  # preempted or interrupted: the checkpoint is saved, the next start continues from it
     losses = summary["losses"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -227,3 +228,15 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_everywhere(tmp_path
     assert f"at step {stop}" in resumed[0][1]
     a, b = _records(tmp_path / "straight"), _records(tmp_path / "run")
     _assert_same_steps(a, b, range(1, end + 1))
+
+
+@pytest.mark.slow
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    first = _train(tmp_path, ["max_steps=2", "run_dir=run"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    other = _train(tmp_path, ["max_steps=4", "run_dir=run", "model.d_model=48"])
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "cannot resume" in other.stderr and "another configuration" in other.stderr, other.stderr[-2000:]
+    assert re.search(r"saved \([\d, ]*32[\d, ]*\), target \([\d, ]*48", other.stderr), other.stderr[-2000:]
+    with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
+        assert ckpt.all_steps() == [2]  # nothing lost, nothing moved aside

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "CorruptCheckpointError", "checksums"]
+__all__ = ["Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "checksums"]
 
 _STATE, _META = "state", "meta"  # Orbax item names inside each step directory.
 _CHECKSUMS = "__checksums__"  # key of the checksum table inside the saved metadata
@@ -115,6 +115,10 @@ def _like(value: Any, target: Any) -> Any:
     if isinstance(target, np.generic):
         return value[()]
     return value
+
+
+class IncompatibleCheckpointError(ValueError):
+    """A checkpoint whose arrays do not fit the target: written by a model of another configuration."""
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -295,7 +299,7 @@ class Checkpointer:
                                          f"{_STATE}: {type(e).__name__}: {e}") from e
         missing, extra = sorted(set(flat_target) - set(saved)), sorted(set(saved) - set(flat_target))
         if missing or extra:
-            raise ValueError(
+            raise IncompatibleCheckpointError(
                 f"checkpoint {self._step_dir(step)} does not match the target (a checkpoint of another model?): "
                 f"not in checkpoint: {_diff(missing)}; not in target: {_diff(extra)}"
             )
@@ -303,7 +307,7 @@ class Checkpointer:
                  for n, leaf in flat_target.items()
                  if getattr(saved[n], "shape", None) is not None and tuple(saved[n].shape) != tuple(np.shape(leaf))]
         if wrong:
-            raise ValueError(
+            raise IncompatibleCheckpointError(
                 f"checkpoint {self._step_dir(step)} has arrays of other shapes than the target, so it comes from a "
                 f"model with another configuration: {_diff(wrong, 3)}. Restore with the configuration it was saved "
                 "with (its config.json sits in the run directory), or start a new run directory."
