@@ -50,7 +50,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from jaxperf.config import ConfigError, get_config
     from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
-    from jaxperf.perf.hardware import chip_for, peak_flops
+    from jaxperf.perf.hardware import describe, format_info
 
     import flax
     import optax
@@ -66,14 +66,7 @@ def cmd_info(args: argparse.Namespace) -> int:
               + f", strategy {cfg.parallel.strategy}")
     except ConfigError as e:
         print(f"mesh: {e}")
-    chip = chip_for(devices[0])
-    if chip:
-        print(f"{chip.name}: {chip.bf16_flops / 1e12:.0f} TFLOP/s bf16, {chip.fp32_flops / 1e12:.1f} TFLOP/s fp32, "
-              f"HBM {chip.hbm_bytes / 2**30:.0f} GiB at {chip.hbm_bw / 1e12:.2f} TB/s, "
-              f"interconnect {chip.interconnect_bw / 1e9:.0f} GB/s")
-    else:
-        peak, _ = peak_flops("float32")
-        print(f"no table entry for {devices[0].device_kind!r}: measured {peak / 1e9:.1f} GFLOP/s fp32 matmul per device")
+    print(format_info(describe(devices[0])))
     return 0
 
 
