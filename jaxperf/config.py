@@ -134,6 +134,7 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
     keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
+    compile_cache_dir: str = "~/.cache/jaxperf/xla"  # JAX's persistent compilation cache ("" = off)
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
     resume: bool = True  # continue from the newest checkpoint in run_dir

@@ -207,6 +207,11 @@ class Trainer:
         from jaxperf.train.checkpoint import Checkpointer
 
         cfg = self.cfg
+        if cfg.compile_cache_dir:
+            from jaxperf.perf.compile import enable_compilation_cache
+
+            # Only programs that take a while to compile: caching every small helper costs more than it saves.
+            enable_compilation_cache(cfg.compile_cache_dir, min_compile_time_s=1.0)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if jax.process_index() == 0:
             (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
@@ -266,7 +271,12 @@ class Trainer:
             for step, batch in batches:
                 if step >= cfg.max_steps:
                     break
+                t_dispatch = time.perf_counter()
                 state, metrics = train_step(state, batch)  # dispatched asynchronously
+                if step == start:  # the first call traces and compiles before it dispatches
+                    summary["compile_s"] = time.perf_counter() - t_dispatch
+                    _log(f"train step compiled in {summary['compile_s']:.1f} s")
+                    t_last = time.perf_counter()
                 if pending is not None:
                     consume(*pending)  # the previous step's metrics, ready or nearly so
                 pending = (step, metrics)
