@@ -1,0 +1,137 @@
+"""What every benchmark script shares: one JSON record per measurement, with the context needed to compare runs.
+
+    rec = record("hardware", "matmul", 12.3, "TFLOP/s", peak=989e12, value_per_s=12.3e12, dtype="bfloat16")
+    emit(rec)        # one JSON line on stdout
+
+A record always carries the device kind, platform, number of devices, jax/flax versions and the date, so a
+results.jsonl collected on several machines stays readable. `pct_of_peak` is present only where a hardware limit is
+known (jaxperf.perf.hardware): a figure without a ceiling is not given a made-up one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+from typing import Any
+
+import jax
+
+
+def context() -> dict[str, Any]:
+    """Device, platform, device count, versions and date: the part of a record that says where it was measured."""
+    import flax
+
+    devices = jax.devices()
+    return {
+        "device": devices[0].device_kind,
+        "platform": jax.default_backend(),
+        "n_devices": len(devices),
+        "versions": {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version()},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def record(benchmark: str, name: str, value: float | None, unit: str, *, peak: float | None = None,
+           peak_per_s: float | None = None, value_per_s: float | None = None, **extra: Any) -> dict[str, Any]:
+    """One measurement.
+
+    Args:
+      benchmark: the script's question (e.g. "hardware").
+      name: what was measured (e.g. "matmul_bf16_n4096").
+      value, unit: the figure as reported (e.g. 312.5, "TFLOP/s"). None only for records that carry an error.
+      peak: the hardware limit in the same unit as `value`; adds pct_of_peak.
+      peak_per_s, value_per_s: the same in base units (FLOP/s, bytes/s) when that is easier; used when `peak` is None.
+      extra: anything else worth keeping (sizes, dtype, timings, the peak's source).
+    """
+    rec: dict[str, Any] = {"benchmark": benchmark, "name": name, "value": value, "unit": unit, **context()}
+    pct = None
+    if value is not None and peak:
+        pct = 100.0 * value / peak
+    elif value_per_s is not None and peak_per_s:
+        pct = 100.0 * value_per_s / peak_per_s
+    if pct is not None:
+        rec["pct_of_peak"] = round(pct, 3)
+    rec.update(extra)
+    return rec
+
+
+def emit(rec: dict[str, Any]) -> dict[str, Any]:
+    """Print a record as one JSON line (NaN/inf become null, so every line is strict JSON) and return it."""
+    print(json.dumps(_finite(rec)), flush=True)
+    return rec
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def peak_flops(dtype: str) -> tuple[float, str]:
+    """(peak FLOP/s per device, source) from jaxperf.perf.hardware."""
+    from jaxperf.perf.hardware import peak_flops as _peak
+
+    return _peak(dtype)
+
+
+def peak_bandwidth() -> tuple[float | None, str]:
+    """(memory bytes/s per device, source): the data sheet's HBM figure for known chips; None elsewhere.
+
+    A measured CPU figure is not used as a ceiling here: a bandwidth benchmark compared with a probe of itself would
+    report ~100% whatever the memory system can do.
+    """
+    from jaxperf.perf.hardware import chip_for
+
+    chip = chip_for()
+    if chip is None:
+        return None, "unknown"
+    return chip.hbm_bw, f"table:{chip.name}"
+
+
+def check_close(name: str, got, want, rtol: float = 1e-4, atol: float = 1e-5) -> None:
+    """Refuse to time a variant whose result disagrees with the reference (a fast wrong answer is no result)."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.allclose(got, want, rtol=rtol, atol=atol):
+        err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("nan")
+        raise RuntimeError(f"{name}: result differs from the reference (shapes {got.shape} vs {want.shape}, max abs "
+                           f"diff {err:.3g}, rtol={rtol}, atol={atol}); not timing a wrong answer")
+
+
+def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *, donate: bool = True, seed: int = 0):
+    """The jaxperf train step of a preset, its initial state and one random batch (tokens do not change the cost).
+
+    Returns (step, state, batch, cfg); `step` is the jitted `(state, batch) -> (state, metrics)` from
+    jaxperf.train.step.Task, over all visible devices with the preset's strategy.
+    """
+    import numpy as np
+
+    from jaxperf.config import get_config, validate
+    from jaxperf.models import GPT
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, decay_mask, next_token_loss
+
+    cfg = get_config(preset, overrides or [])
+    validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.parallel)
+    rules = get_rules(cfg.parallel.strategy, mesh)
+    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None, seed=seed)
+    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
+    task = Task.create(make, mesh, rules, tx, seed=seed)
+    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule, donate=donate)
+    B, L = cfg.batch_size, cfg.train_seq_len
+    tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
+    batch = jax.device_put(
+        {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((B, L), np.float32)}, task.batch_sharding()
+    )
+    return step, task.init_state(), batch, cfg

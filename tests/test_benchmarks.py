@@ -1,0 +1,184 @@
+"""The benchmark scripts run in --tiny mode and emit well-formed records; `jaxperf bench` writes results.jsonl; the
+PyTorch peer computes the same losses as jaxperf from the same parameters (when an interpreter with torch is known).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jaxperf
+from jaxperf import cli
+from jaxperf.perf import bench
+
+BENCH_DIR = Path(jaxperf.__file__).resolve().parents[1] / "benchmarks"
+CONTEXT_KEYS = ("benchmark", "name", "value", "unit", "device", "platform", "n_devices", "versions", "date")
+
+
+def load(name):
+    return bench.load_script(name, BENCH_DIR)
+
+
+def check_records(records, benchmark, expect_names):
+    assert isinstance(records, list) and records, f"{benchmark}: no records"
+    for r in records:
+        json.loads(json.dumps(r, allow_nan=False))  # strict JSON: no NaN/inf, only plain types
+        missing = [k for k in CONTEXT_KEYS if k not in r]
+        assert not missing, f"{benchmark} record {r.get('name')} lacks {missing}"
+        assert r["benchmark"] == benchmark
+        assert r["platform"] == "cpu" and r["n_devices"] == 8
+        assert set(r["versions"]) >= {"jax", "flax"}
+        if r.get("error") or r.get("skipped"):
+            continue
+        assert isinstance(r["value"], float) and math.isfinite(r["value"]) and r["value"] > 0, r
+        assert r["unit"], r
+        if "pct_of_peak" in r:
+            assert r["pct_of_peak"] > 0, r
+    names = {r["name"] for r in records}
+    assert set(expect_names) <= names, f"{benchmark}: missing {set(expect_names) - names}"
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """`jaxperf bench --tiny compiled_vs_eager --out DIR` through the CLI, once for the tests below."""
+    out = tmp_path_factory.mktemp("bench")
+    rc = cli.main(["bench", "--tiny", "compiled_vs_eager", "--out", str(out)])
+    return rc, out
+
+
+def test_cli_bench_writes_results(cli_run, capsys):
+    rc, out = cli_run
+    assert rc == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    check_records(records, "compiled_vs_eager",
+                  ["mlp_fwd_bwd/eager", "mlp_fwd_bwd/jit", "mlp_fwd_bwd/speedup", "train_step/eager",
+                   "train_step/jit", "train_step/speedup"])
+    by_name = {r["name"]: r for r in records}
+    # the speedup is the ratio of the two medians that were measured, not an independent number
+    for w in ("mlp_fwd_bwd", "train_step"):
+        ratio = by_name[f"{w}/eager"]["value"] / by_name[f"{w}/jit"]["value"]
+        assert by_name[f"{w}/speedup"]["value"] == pytest.approx(ratio)
+    assert by_name["mlp_fwd_bwd/speedup"]["value"] > 1, "jit should beat op-by-op dispatch on a 2-layer MLP"
+
+
+def test_async_dispatch_tiny():
+    records = load("async_dispatch").main(["--tiny"])
+    check_records(records, "async_dispatch", ["chain/dispatch_per_call", "chain/device_per_call",
+                                              "loop/sync_every_step", "loop/lagged_metrics"])
+    r = {x["name"]: x for x in records}
+    assert r["chain/device_per_call"]["value"] >= r["chain/dispatch_per_call"]["value"]
+
+
+def test_auto_parallel_tiny():
+    records = load("auto_parallel").main(["--tiny"])
+    check_records(records, "auto_parallel", ["chains/independent", "chains/sequential", "prefetch/no_prefetch",
+                                             "prefetch/prefetch"])
+
+
+def test_sequential_chains_are_really_ordered():
+    import jax
+
+    mod = load("auto_parallel")
+    xs, w = np.ones((2, 4, 4), np.float32), np.eye(4, dtype=np.float32)
+    text = mod.make_chains(2, True).lower(xs, w).as_text()
+    assert "optimization_barrier" in text
+    assert "optimization_barrier" not in mod.make_chains(2, False).lower(xs, w).as_text()
+    np.testing.assert_allclose(mod.make_chains(2, True)(xs, w), jax.numpy.tanh(jax.numpy.tanh(xs)), rtol=1e-6)
+
+
+def test_hardware_tiny():
+    records = load("hardware").main(["--tiny", "--dtypes", "float32"])
+    check_records(records, "hardware", ["matmul/float32/n64", "matmul/float32/n256", "memory/copy", "memory/reduce",
+                                        "transfer/host_to_device", "transfer/device_to_host"])
+    mm = next(r for r in records if r["name"] == "matmul/float32/n256")
+    assert mm["unit"] == "TFLOP/s" and "pct_of_peak" in mm  # a measured fp32 peak exists on CPU
+    rl = mm["roofline"]
+    assert rl["flops"] == 2 * 256**3 and rl["bytes"] == 3 * 256 * 256 * 4
+    pts = bench.roofline_points(records)
+    assert len(pts) == 4 and all(p.achieved_flops > 0 for p in pts)
+
+
+def test_hardware_rejects_unknown_dtype():
+    with pytest.raises(SystemExit, match="int4"):
+        load("hardware").main(["--tiny", "--dtypes", "int4"])
+
+
+def test_train_tiny_without_peer():
+    records = load("train").main(["--tiny", "--peer", "none"])
+    check_records(records, "train", ["tiny/jaxperf", "tiny/torch"])
+    r = {x["name"]: x for x in records}
+    jx = r["tiny/jaxperf"]
+    assert 0 < jx["mfu"] < 1 and jx["pct_of_peak"] == pytest.approx(100 * jx["mfu"], rel=1e-3)
+    assert r["tiny/torch"]["value"] is None and r["tiny/torch"]["skipped"] == "--peer none"
+
+
+def test_peer_python_reports_missing_torch(monkeypatch):
+    mod = load("train")
+    monkeypatch.delenv("JAXPERF_PEER_PYTHON", raising=False)
+    python, why = mod.peer_python(None)
+    if importlib.util.find_spec("torch") is None:
+        assert python is None and "torch not installed" in why
+    else:
+        assert python == sys.executable
+    assert mod.peer_python("/x/python") == ("/x/python", "--peer-python")
+
+
+def test_runner_reports_a_broken_script_and_goes_on(tmp_path, capsys):
+    (tmp_path / "bench_kernels.py").write_text("from pallas_kernels.nothing_here import x\n")
+    recs = bench.run_one("kernels", ["--tiny"], tmp_path)
+    assert len(recs) == 1 and recs[0]["name"] == "error" and "ModuleNotFoundError" in recs[0]["error"]
+    assert "kernels" in bench.table(recs)
+    with pytest.raises(SystemExit):
+        bench.main(["no_such_benchmark"])
+
+
+def _peer_python():
+    env = os.environ.get("JAXPERF_PEER_PYTHON")
+    if env:
+        return env
+    return sys.executable if importlib.util.find_spec("torch") is not None else None
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_torch_peer_matches_jaxperf(style, tmp_path):
+    """Same parameters and batch: the peer's loss equals jaxperf's, and so do the losses after AdamW updates."""
+    python = _peer_python()
+    if python is None:
+        pytest.skip("torch not installed here: set JAXPERF_PEER_PYTHON to an interpreter with torch to test the peer")
+    import jax
+
+    sys.path.insert(0, str(BENCH_DIR))
+    from _common import make_train_step
+
+    mod = load("train")
+    overrides = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "batch_size=8", "seq_len=16",
+                 "optim.warmup_steps=2", "max_steps=10"]
+    if style == "llama":
+        overrides += ["model.style=llama", "model.n_kv_heads=1"]
+    step, state, batch, cfg = make_train_step("tiny", overrides, donate=False)
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        flat[".".join(str(getattr(k, "key", k)) for k in path)] = np.asarray(leaf)
+    b = jax.device_get(batch)
+    flat["__tokens__"] = np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1)
+    np.savez(tmp_path / "params.npz", **flat)
+    losses = []
+    for _ in range(3):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    config = mod.peer_config(cfg, 1, 1, "eager", "cpu")
+    proc = subprocess.run([python, str(mod.PEER_SCRIPT), "--config", json.dumps(config), "--parity",
+                           str(tmp_path / "params.npz"), "--out", str(tmp_path / "out.npz"), "--parity-steps", "3"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    peer = np.load(tmp_path / "out.npz")["losses"]
+    np.testing.assert_allclose(peer[0], losses[0], rtol=1e-5)  # forward parity
+    np.testing.assert_allclose(peer[1:], losses[1:], rtol=1e-4)  # AdamW, schedule, clipping and decay parity
+    assert losses[2] < losses[0]  # the updates did something, so matching them means something
