@@ -93,14 +93,18 @@ def measured_flops(dtype: str = "float32", n: int = 1024, repeats: int = 5) -> f
 
 @functools.lru_cache(maxsize=None)
 def measured_bandwidth(nbytes: int = 64 * 2**20, repeats: int = 5) -> float:
-    """A quick memory probe on the first device: best bytes/s of `y = x * 2` over an fp32 array of `nbytes`.
+    """A quick memory probe on the first device: the better of `y = x * 2` (reads and writes every byte: 2 * nbytes of
+    traffic) and `sum(x)` (reads every byte once) over an fp32 array of `nbytes`, in bytes/s.
 
-    The op reads and writes every byte once (2 * nbytes of traffic) and does one multiply per 8 bytes, so it is bound
-    by memory on every machine. 64 MiB is well past the last-level caches of current CPUs.
+    Both do about one operation per 4-8 bytes, so they are bound by memory on every machine; the reduction writes
+    nothing, so on a CPU it is not slowed by the page faults of a freshly allocated output. 64 MiB is well past the
+    last-level caches of current CPUs.
     """
     n = nbytes // 4
     x = jnp.ones((n,), jnp.float32)
-    return 2 * n * 4 / _best_seconds(jax.jit(lambda a: a * 2.0), x, repeats)
+    scale = 2 * n * 4 / _best_seconds(jax.jit(lambda a: a * 2.0), x, repeats)
+    reduce = n * 4 / _best_seconds(jax.jit(jnp.sum), x, repeats)
+    return max(scale, reduce)
 
 
 def peak_flops(dtype: str = "bfloat16", device: jax.Device | None = None) -> tuple[float, str]:
