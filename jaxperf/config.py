@@ -44,7 +44,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     attention_impl: str = "auto"  # auto | xla | cudnn | pallas | any name registered with register_attention
     norm_impl: str = "auto"  # auto | xla | pallas (see jaxperf.models.kernels)
-    loss_impl: str = "auto"  # auto | xla | pallas: fused linear + cross-entropy that never builds [tokens, vocab] logits
+    loss_impl: str = "auto"  # auto | xla | pallas | chunked: pallas and chunked never build [tokens, vocab] logits
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -135,6 +135,7 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
     keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
     compile_cache_dir: str = "~/.cache/jaxperf/xla"  # JAX's persistent compilation cache ("" = off)
+    check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
     resume: bool = True  # continue from the newest checkpoint in run_dir
@@ -318,7 +319,7 @@ _MODEL_CHOICES = {
     "dtype": ("float32", "bfloat16", "float16"),
     "param_dtype": ("float32", "bfloat16"),
     "norm_impl": ("auto", "xla", "pallas"),
-    "loss_impl": ("auto", "xla", "pallas"),
+    "loss_impl": ("auto", "xla", "pallas", "chunked"),
 }
 
 

@@ -20,6 +20,9 @@ from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param
 from jaxperf.parallel.rules import constrain
 
+# Logical axes of the KV cache [N, B, S, K, Dh]: rows follow the batch (data axes), KV heads follow the tensor axis.
+CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -98,6 +101,55 @@ class GPT(nnx.Module):
                 x_BxLxD = apply(graphdef, state, x_BxLxD, positions_BxL, segment_ids_BxL)
         return self.final_norm(x_BxLxD)
 
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[jax.Array, jax.Array]:
+        """Zeroed KV cache (k, v), each [N, B, max_len, K, Dh] in the compute dtype (see `cached`)."""
+        cfg = self.cfg
+        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        dt = jnp.dtype(dtype or cfg.dtype)
+        axes = CACHE_AXES
+        return constrain(jnp.zeros(shape, dt), axes), constrain(jnp.zeros(shape, dt), axes)
+
+    def cached(self, tokens_BxT, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):
+        """The forward over a KV cache: (final-norm hidden [B, T, D], k_cache, v_cache).
+
+        Prefill (`index_B` None): T prompt tokens per row fill cache slots [0, T) and attend causally, as in `hidden`
+        (right-padded prompts: padding after a row's last token changes none of its real positions). Decode
+        (`index_B` [B], T == 1): row b's token is written to slot index_B[b] and attends to slots [0, index_B[b]].
+        `positions_BxT` are the tokens' positions (for learned positions and RoPE); the caches are
+        [N, B, S, K, Dh] as made by `init_cache`. `attend` replaces the decode attention (signature of
+        `jaxperf.models.layers.decode_attention`). Remat does not apply: nothing is differentiated here.
+        """
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        S = k_cache.shape[2]
+        if tokens_BxT.shape[1] > S:
+            raise ValueError(f"{tokens_BxT.shape[1]} tokens do not fit a cache of {S} slots: make the cache longer")
+        x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
+        if self.pos_LxD is not None:
+            x_BxTxD = x_BxTxD + jnp.take(self.pos_LxD[...], positions_BxT, axis=0, mode="clip").astype(dt)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+
+        def layer(block, x, kc, vc, i):
+            k_l, v_l = kc[i], vc[i]
+            x, k_l, v_l = block.cached(x, positions_BxT, k_l, v_l, index_B, attend=attend)
+            kc = jax.lax.dynamic_update_index_in_dim(kc, k_l, i, 0)
+            vc = jax.lax.dynamic_update_index_in_dim(vc, v_l, i, 0)
+            return x, constrain(kc, CACHE_AXES), constrain(vc, CACHE_AXES)
+
+        if cfg.scan_layers:
+            graphdef, state = nnx.split(self.blocks)
+
+            def body(carry, xs):
+                layer_state, i = xs
+                return layer(nnx.merge(graphdef, layer_state), *carry, i), None
+
+            carry = (x_BxTxD, k_cache, v_cache)
+            (x_BxTxD, k_cache, v_cache), _ = jax.lax.scan(body, carry, (state, jnp.arange(cfg.n_layers)))
+        else:
+            for i, block in enumerate(self.blocks):
+                x_BxTxD, k_cache, v_cache = layer(block, x_BxTxD, k_cache, v_cache, i)
+        return self.final_norm(x_BxTxD), k_cache, v_cache
+
     def output_weights(self) -> jax.Array:
         """The output projection [D, V] (the embedding table transposed when tied)."""
         return self.embed_VxD[...].T if self.head_DxV is None else self.head_DxV[...]
@@ -113,19 +165,23 @@ class GPT(nnx.Module):
         """Masked next-token cross-entropy (fp32): (mean over unmasked tokens, {"weight": unmasked tokens}).
 
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
-        [tokens, vocab] logits; otherwise the logits are materialised in fp32.
+        [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; otherwise ("auto", "xla")
+        the logits are materialised in fp32.
         """
         inputs, targets = batch["inputs"], batch["targets"]
         mask = batch.get("mask")
         mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-        impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: _loss_unavailable())
+        if self.cfg.loss_impl == "chunked":
+            impl = "chunked"
+        else:
+            impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: _loss_unavailable())
         if impl == "xla":
             return cross_entropy_from_logits(self(inputs), targets, mask)
         h_BxLxD = self.hidden(inputs)
         B, L, D = h_BxLxD.shape
         total, count = kernels.linear_cross_entropy(
             h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
-            mask.reshape(B * L), impl="pallas")
+            mask.reshape(B * L), impl=impl)
         return total / jnp.maximum(count, 1.0), {"weight": count}
 
 

@@ -120,23 +120,32 @@ def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
 
 
 def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
-    """(sum of masked token losses, number of unmasked tokens), never materialising [N, V] logits with "pallas"."""
+    """(sum of masked token losses, number of unmasked tokens) without [N, V] logits.
+
+    impl "pallas": the fused Pallas kernel; "chunked": the pure-JAX path over row chunks (one [chunk, V] tile live at a
+    time, in forward and backward). Under a mesh both run per batch shard, and the sums are psum-ed over the
+    data-parallel axes.
+    """
     from pallas_kernels import cross_entropy as ce
 
-    which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV))
-    if which == "xla":
-        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl="xla")
+    if impl == "chunked":
+        which = "xla"
+    else:
+        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV))
+        if which == "xla":
+            which = "reference"
+    mask_N = mask_N.astype(jnp.float32)
     row = activation_spec(("batch",), (h_NxD.shape[0],))
     if row is None:
-        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl="pallas")
+        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which)
     rows = _pad_spec(row, 1)
     axes = _flat_axes(rows[0])
 
     def per_shard(h, w, t, m):
-        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl="pallas")
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total, count
 
     fn = sharded(per_shard, (P(rows[0], None), P(), rows, rows), (P(), P()))
-    return fn(h_NxD, w_DxV, targets_N, mask_N.astype(jnp.float32))
+    return fn(h_NxD, w_DxV, targets_N, mask_N)

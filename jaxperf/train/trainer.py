@@ -127,6 +127,8 @@ class Trainer:
         self.mesh_shape = mesh_shape(cfg.parallel, len(devices))
         validate(cfg, len(devices), self.mesh_shape, model=make_model is None)  # every check before compiling
         self.custom_model = make_model is not None
+        if cfg.check_memory and make_model is None:
+            _check_memory(cfg, self.mesh_shape, devices[0])
         self.tokenizer = tokenizer
         if train_data is None:
             train_data, val_data, self.tokenizer, cfg = _default_data(cfg)
@@ -412,6 +414,22 @@ def health_options(cfg: TrainConfig) -> HealthOptions:
     scaling = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.model.dtype == "float16")
     return HealthOptions(skip_nonfinite=cfg.skip_nonfinite, spike_sigma=cfg.spike_sigma,
                          spike_window=cfg.spike_window, loss_scale=scaling)
+
+
+def _check_memory(cfg: TrainConfig, shape: dict[str, int], device: jax.Device) -> None:
+    """Before compiling: does the estimated per-device memory fit the device? (Skipped where the capacity is unknown.)"""
+    from jaxperf.perf.hardware import chip_for
+    from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
+
+    stats = live_device_memory(device) or {}
+    chip = chip_for(device)
+    capacity = stats.get("bytes_limit") or (chip.hbm_bytes if chip else None)
+    if not capacity:
+        return
+    try:
+        check_fits(estimate(cfg, shape), capacity)
+    except OutOfMemoryAdvice as e:
+        raise OutOfMemoryAdvice(f"{e}\n(the estimate can be off by a third; check_memory=false tries anyway)") from None
 
 
 def _gpt_flops(cfg: TrainConfig) -> float:
