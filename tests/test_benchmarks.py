@@ -105,6 +105,21 @@ def test_hardware_tiny():
     assert len(pts) == 4 and all(p.achieved_flops > 0 for p in pts)
 
 
+def test_kernels_tiny_checks_then_times_every_impl():
+    recs = load("kernels").main(["--tiny", "--ops", "rms_norm", "cross_entropy"])
+    check_records(recs, "kernels", ["rms_norm/pallas/both", "linear_cross_entropy/chunked/both"])
+    assert not [r for r in recs if r.get("error")], recs
+    got = {(r["op"], r["impl"], r["pass_name"]) for r in recs}
+    for op, impls in (("rms_norm", ("xla", "pallas")), ("linear_cross_entropy", ("xla", "chunked", "pallas"))):
+        for impl in impls:
+            assert {(op, impl, p) for p in ("forward", "backward", "both")} <= got
+    assert all(r["value"] > 0 for r in recs)
+    fused = [r for r in recs if r["op"] == "linear_cross_entropy" and r["impl"] == "pallas"]
+    naive = [r for r in recs if r["op"] == "linear_cross_entropy" and r["impl"] == "xla"]
+    assert fused[0]["fwd_bwd_temp_plus_output_bytes"] < naive[0]["fwd_bwd_temp_plus_output_bytes"]
+    assert all("speed_vs_xla" in r for r in recs if r["impl"] != "xla")
+
+
 def test_hardware_rejects_unknown_dtype():
     with pytest.raises(SystemExit, match="int4"):
         load("hardware").main(["--tiny", "--dtypes", "int4"])
