@@ -1,4 +1,4 @@
-"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `jaxperf info`, `jaxperf bench [names] [--tiny]`."""
+"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `jaxperf info`, `jaxperf bench`, `jaxperf generate`."""
 
 from __future__ import annotations
 
@@ -81,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # the benchmark runner has its own arguments
         return cmd_bench(argv[1:])
+    if argv[:1] == ["generate"]:
+        from jaxperf.generate.cli import main as generate_main
+
+        return int(generate_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="jaxperf", description="Train and measure Transformers with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the benchmark suite (jaxperf bench --help)")
+    sub.add_parser("generate", help="generate text from a run's checkpoint (jaxperf generate --help)")
     for name, fn, help_ in (("train", cmd_train, "train a model"), ("info", cmd_info, "devices, mesh and peaks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")

@@ -112,7 +112,8 @@ class Attention(nnx.Module):
         else:
             self.bias_q_HxDh = self.bias_k_KxDh = self.bias_v_KxDh = self.bias_o_D = None
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None):
+    def _qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
+        """Projections q [B, L, H, Dh], k and v [B, L, K, Dh], with RoPE applied where the style uses it."""
         cfg, dt = self.cfg, x_BxLxD.dtype
 
         def proj(w, b, heads_axis):
@@ -126,12 +127,67 @@ class Attention(nnx.Module):
         v = checkpoint_name(proj(self.wv_DxKxDh, self.bias_v_KxDh, "kv_heads"), "attn_proj")
         if cfg.position == "rope":
             q, k = rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta)
-        o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=cfg.attention_impl)
+        return q, k, v
+
+    def _out(self, o_BxLxHxDh: jax.Array) -> jax.Array:
+        dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
         y = jnp.einsum("blnh,nhd->bld", o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt))
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
+
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None):
+        q, k, v = self._qkv(x_BxLxD, positions_BxL)
+        o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
+        return self._out(o_BxLxHxDh)
+
+    def cached(self, x_BxTxD, positions_BxT, k_cache_BxSxKxDh, v_cache_BxSxKxDh, index_B=None, *,
+               attend=None):
+        """Attention that reads and extends a KV cache: (y [B, T, D], k_cache, v_cache).
+
+        Prefill (`index_B` None): the T new keys and values go to slots [0, T) of every row and the queries attend
+        causally among themselves, exactly as in `__call__`. Decode (`index_B` given, T == 1): row b's key and value
+        go to slot index_B[b] and its query attends to slots [0, index_B[b]] through `attend` (default
+        `decode_attention`; a kernel with the same signature can take its place).
+        """
+        q, k, v = self._qkv(x_BxTxD, positions_BxT)
+        k, v = k.astype(k_cache_BxSxKxDh.dtype), v.astype(v_cache_BxSxKxDh.dtype)
+        cache_axes = ("batch", "seq", "kv_heads", "head_dim")
+        if index_B is None:
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxSxKxDh, k, 0, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxSxKxDh, v, 0, axis=1)
+            o = attention(q, k, v, causal=True, impl=self.cfg.attention_impl)
+        else:
+            if q.shape[1] != 1:
+                raise ValueError(f"decode takes one new token per row, got {q.shape[1]}; prefill with index_B=None")
+            rows_B = jnp.arange(q.shape[0])
+            k_cache = k_cache_BxSxKxDh.at[rows_B, index_B].set(k[:, 0], mode="drop")
+            v_cache = v_cache_BxSxKxDh.at[rows_B, index_B].set(v[:, 0], mode="drop")
+            k_cache, v_cache = constrain(k_cache, cache_axes), constrain(v_cache, cache_axes)
+            o = (attend or decode_attention)(q, k_cache, v_cache, index_B + 1)
+        return self._out(o.astype(x_BxTxD.dtype)), constrain(k_cache, cache_axes), constrain(v_cache, cache_axes)
+
+
+def decode_attention(q_Bx1xHxDh, k_cache_BxSxKxDh, v_cache_BxSxKxDh, lengths_B):
+    """One query per row against a cache: row b attends to slots [0, lengths_B[b]) (the XLA reference).
+
+    The math is that of `xla_attention` (fp32 scores and softmax, grouped-query heads), with the causal mask replaced
+    by per-row lengths, so a decode step reproduces the full forward. A Pallas decode kernel that takes the same
+    arguments and returns [B, 1, H, Dh] can replace it (`Attention.cached(attend=...)`).
+    """
+    B, _, H, Dh = q_Bx1xHxDh.shape
+    S, K = k_cache_BxSxKxDh.shape[1], k_cache_BxSxKxDh.shape[2]
+    if H % K:
+        raise ValueError(f"query heads {H} must be a multiple of kv heads {K}")
+    q_BxKxGxDh = q_Bx1xHxDh.reshape(B, K, H // K, Dh)
+    scores_BxKxGxS = jnp.einsum("bkgd,bskd->bkgs", q_BxKxGxDh, k_cache_BxSxKxDh, preferred_element_type=jnp.float32)
+    scores_BxKxGxS = scores_BxKxGxS * (Dh**-0.5)
+    valid_BxS = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths_B.astype(jnp.int32)[:, None]
+    scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_cache_BxSxKxDh.dtype)
+    out = jnp.einsum("bkgs,bskd->bkgd", probs, v_cache_BxSxKxDh, preferred_element_type=jnp.float32)
+    return out.reshape(B, 1, H, Dh).astype(q_Bx1xHxDh.dtype)
 
 
 class MLP(nnx.Module):
@@ -184,3 +240,12 @@ class Block(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
         x_BxLxD = x_BxLxD + self.mlp(normed)
         return constrain(x_BxLxD, ("batch", "seq", "embed"))
+
+    def cached(self, x_BxTxD, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):
+        """The layer over a KV cache (see `Attention.cached`): (x [B, T, D], k_cache, v_cache)."""
+        attn_out, k_cache, v_cache = self.attn.cached(self.attn_norm(x_BxTxD), positions_BxT, k_cache, v_cache,
+                                                      index_B, attend=attend)
+        normed, x_BxTxD = self.mlp_norm(attn_out, residual=x_BxTxD)
+        x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
+        x_BxTxD = x_BxTxD + self.mlp(normed)
+        return constrain(x_BxTxD, ("batch", "seq", "embed")), k_cache, v_cache

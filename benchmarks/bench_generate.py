@@ -1,0 +1,101 @@
+"""How fast does a GPT generate, and how close is a decode step to the memory-bandwidth limit? JSON lines.
+
+    python benchmarks/bench_generate.py --tiny                      # CPU-sized model, batch sizes 1 and 4
+    python benchmarks/bench_generate.py --preset gpt2-small --batch-sizes 1,8,32 --max-tokens 128
+
+For each batch size: prefill tokens/s (prompt tokens / prefill time) and decode tokens/s (new tokens / decode time),
+the medians over `--repeats` generations after one warm-up that compiles (compile time reported apart). A decode step
+has to read every weight and the whole KV cache once (the reference decode attention reads all S slots of each row),
+so its floor is (weight bytes + cache bytes) / HBM bandwidth; `pct_of_peak` is that floor over the measured step time.
+Greedy decoding with no stop tokens, so every row produces exactly `--max-tokens` tokens. Random weights: speed does not
+depend on them. Before timing, the greedy tokens of the first row are checked against a full forward of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import emit, record  # noqa: E402
+
+
+def _check(model, gen, prompt: list[int], vocab: int) -> None:
+    """The engine's greedy tokens equal the argmax of the full forward, step by step (a wrong cache fails here)."""
+    out = gen.generate([prompt], max_tokens=4, temperature=0.0)[0].tokens
+    seq = list(prompt)
+    for tok in out:
+        want = int(jnp.argmax(model(jnp.asarray([seq]))[0, -1, :vocab]))
+        if tok != want:
+            raise AssertionError(f"cached decode chose {tok} where the full forward chooses {want} after {seq}")
+        seq.append(tok)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--tiny", action="store_true", help="a small model and short runs for CPU")
+    parser.add_argument("--batch-sizes", default=None, help="comma-separated (default 1,4 with --tiny, else 1,8,32)")
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("overrides", nargs="*", help="config key=value, e.g. model.dtype=bfloat16")
+    args = parser.parse_args(argv)
+
+    from flax import nnx
+
+    from jaxperf.config import get_config, validate_model
+    from jaxperf.generate import Generator, cache_bytes
+    from jaxperf.models import GPT
+    from jaxperf.perf.hardware import peak_bandwidth
+
+    tiny = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=128"] if args.tiny else []
+    cfg = get_config(args.preset, tiny + list(args.overrides))
+    mcfg = validate_model(cfg.model)
+    batch_sizes = [int(b) for b in (args.batch_sizes or ("1,4" if args.tiny else "1,8,32")).split(",")]
+    prompt_len = args.prompt_len or (16 if args.tiny else 128)
+    max_tokens = args.max_tokens or (32 if args.tiny else 128)
+    repeats = args.repeats or (3 if args.tiny else 5)
+
+    model = GPT(mcfg, rngs=nnx.Rngs(0))
+    gen = Generator(model)
+    rng = np.random.default_rng(0)
+    _check(model, gen, [int(t) for t in rng.integers(0, mcfg.vocab_size, 5)], mcfg.vocab_size)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
+    bw, bw_source = peak_bandwidth()
+
+    records = []
+    for B in batch_sizes:
+        prompts = [[int(t) for t in rng.integers(0, mcfg.vocab_size, prompt_len)] for _ in range(B)]
+        first = gen.generate(prompts, max_tokens, temperature=0.0)  # compiles this bucket
+        runs = [gen.generate(prompts, max_tokens, temperature=0.0) for _ in range(repeats)]
+        prefill_s = statistics.median(r.prefill_s for r in runs)
+        decode_s = statistics.median(r.decode_s for r in runs)
+        steps = max_tokens
+        step_s = decode_s / steps
+        S = first.shapes["max_len"]
+        bytes_per_step = weight_bytes + cache_bytes(mcfg, first.shapes["batch"], S)
+        floor_s = bytes_per_step / bw
+        common = dict(batch=B, prompt_len=prompt_len, max_tokens=max_tokens, shapes=first.shapes,
+                      compile_s=first.compile_s, repeats=repeats, dtype=mcfg.dtype, preset=args.preset,
+                      tiny=args.tiny, n_params=int(sum(x.size for x in jax.tree.leaves(gen.params))))
+        records.append(emit(record("generate", f"prefill_b{B}", B * prompt_len / prefill_s, "tokens/s",
+                                   prefill_s=prefill_s, **common)))
+        records.append(emit(record(
+            "generate", f"decode_b{B}", B * steps / decode_s, "tokens/s", peak_per_s=1.0 / floor_s,
+            value_per_s=1.0 / step_s, decode_s=decode_s, step_s=step_s, bandwidth_floor_s=floor_s,
+            weight_bytes=weight_bytes, cache_bytes=cache_bytes(mcfg, first.shapes["batch"], S),
+            hbm_bw=bw, hbm_bw_source=bw_source, **common)))
+    return records
+
+
+if __name__ == "__main__":
+    main()
