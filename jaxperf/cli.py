@@ -1,4 +1,4 @@
-"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `jaxperf info`, `jaxperf bench`, `jaxperf generate`."""
+"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `info`, `bench`, `generate`, `serve`."""
 
 from __future__ import annotations
 
@@ -85,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         from jaxperf.generate.cli import main as generate_main
 
         return int(generate_main(argv[1:]) or 0)
+    if argv[:1] == ["serve"]:
+        from jaxperf.generate.server import main as serve_main
+
+        return int(serve_main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="jaxperf", description="Train and measure Transformers with JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the benchmark suite (jaxperf bench --help)")
     sub.add_parser("generate", help="generate text from a run's checkpoint (jaxperf generate --help)")
+    sub.add_parser("serve", help="serve a run's checkpoint over HTTP (jaxperf serve --help)")
     for name, fn, help_ in (("train", cmd_train, "train a model"), ("info", cmd_info, "devices, mesh and peaks")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")

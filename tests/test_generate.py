@@ -207,3 +207,21 @@ def test_cli_generates_from_a_trained_checkpoint(tmp_path, capsys):
     gen = Generator.from_checkpoint(tmp_path)
     again = gen.generate(["abc"], max_tokens=12, temperature=0.8, seed=1)
     assert out.startswith("abc" + again[0].text), (out, again[0].text)  # same seed: the text the CLI streamed
+
+
+def test_per_row_settings_and_seeds_match_each_row_run_alone():
+    _, gen = _shared("llama")
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    kw = dict(max_tokens=[6, 3, 5], temperature=[1.0, 0.0, 0.7], top_k=[0, 0, 5], top_p=[0.9, 1.0, 1.0],
+              seed=[11, 12, 13])
+    together = gen.generate(prompts, **kw)
+    assert [len(r.tokens) for r in together] == [6, 3, 5]  # each row's own budget
+    for i, p in enumerate(prompts):
+        alone = gen.generate([p], **{k: v[i] for k, v in kw.items() if k != "seed"}, seed=[kw["seed"][i]])
+        assert alone[0].tokens == together[i].tokens, i
+    greedy = gen.generate(prompts[1:2], max_tokens=3, temperature=0.0)
+    assert greedy[0].tokens == together[1].tokens  # the greedy row is unaffected by its sampling neighbours
+    with pytest.raises(ValueError, match="3 values for 2 prompts"):
+        gen.generate(prompts[:2], max_tokens=[1, 2, 3])
+    with pytest.raises(ValueError, match="temperature=-1"):
+        gen.generate(prompts, temperature=[0.5, -1, 0.5])

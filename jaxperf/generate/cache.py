@@ -36,19 +36,19 @@ class DecodeState:
     done_B: jax.Array  # bool: the row has stopped (stop token, budget or cache full) or is batch padding
     stopped_B: jax.Array  # bool: the row ended on a stop token
     logits_BxV: jax.Array  # float32: the distribution of each row's next token
-    step: jax.Array  # int32 scalar: decode steps taken (seeds the step's random key)
-    key: jax.Array  # the generation's PRNG key
+    step: jax.Array  # int32 scalar: decode steps taken
+    key_B: jax.Array  # one PRNG key per row; a row's t-th token is drawn with fold_in(key_B[b], t)
 
 
 @flax.struct.dataclass
 class Settings:
-    """Sampling settings as arrays: changing them never recompiles."""
+    """Sampling settings as arrays, one value per row: changing them never recompiles."""
 
-    temperature: jax.Array  # float32 scalar; <= 0 is greedy
-    top_k: jax.Array  # int32 scalar; <= 0 is off
-    top_p: jax.Array  # float32 scalar; 1 is off
-    max_tokens: jax.Array  # int32 scalar: budget of new tokens per row
-    stop_ids: jax.Array  # int32 [n_stop], padded with -1
+    temperature: jax.Array  # float32 [B]; <= 0 is greedy
+    top_k: jax.Array  # int32 [B]; <= 0 is off
+    top_p: jax.Array  # float32 [B]; 1 is off
+    max_tokens: jax.Array  # int32 [B]: budget of new tokens of each row
+    stop_ids: jax.Array  # int32 [n_stop], padded with -1 (shared by all rows)
 
 
 def bucket(n: int, minimum: int = 1) -> int:

@@ -13,8 +13,10 @@ row, writes it to the row's next slot and runs the one-token forward against the
 programs compile once per (row bucket, prompt bucket, cache length) and never per token: `generate` calls `decode`
 once with the whole budget, `stream` calls the same compiled `decode` repeatedly with a chunk of steps.
 
-The random key of step t is `fold_in(key(seed), t)`, so a seed gives the same text whether it is produced in one call
-or streamed in chunks.
+Row i of a call with `seed=s` draws its t-th token with `fold_in(fold_in(key(s), i), t)`; with a list of seeds (one per
+row, as a server passes them) row i uses `fold_in(fold_in(key(seeds[i]), 0), t)`. So a seed gives the same text whether
+it is produced in one call or streamed in chunks, and a one-prompt request gives the same text alone or batched with
+others. Sampling settings may also differ per row.
 
 Legend: B rows (bucket), P prompt bucket, S cache slots, V padded vocabulary.
 """
@@ -167,7 +169,7 @@ class Generator:
         nnx.replace_by_pure_dict(template, params)
         return nnx.merge(self._graphdef, template, self._other)
 
-    def _prefill_fn(self, params, tokens_BxP, prompt_len_B, done_B, key, *, max_len: int) -> DecodeState:
+    def _prefill_fn(self, params, tokens_BxP, prompt_len_B, done_B, seed_B, seed_row_B, *, max_len: int) -> DecodeState:
         cfg = self.cfg
         B, Pb = tokens_BxP.shape
         with activation_sharding(self.mesh, self.rules):
@@ -179,8 +181,9 @@ class Generator:
             logits = self._logits(model, last_BxD)
         tokens_BxS = jnp.zeros((B, max_len), jnp.int32).at[:, :Pb].set(tokens_BxP)
         zeros = jnp.zeros((B,), jnp.int32)
+        key_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_B, seed_row_B)
         return DecodeState(k, v, tokens_BxS, prompt_len_B, prompt_len_B, zeros, done_B, jnp.zeros((B,), bool),
-                           logits, jnp.zeros((), jnp.int32), key)
+                           logits, jnp.zeros((), jnp.int32), key_B)
 
     def _logits(self, model, h_BxD):
         logits_BxV = jnp.einsum("bd,dv->bv", h_BxD, model.output_weights().astype(h_BxD.dtype)).astype(jnp.float32)
@@ -199,8 +202,8 @@ class Generator:
             i, s = carry
             with activation_sharding(self.mesh, self.rules):
                 model = self._merge(params)
-                key = jax.random.fold_in(s.key, s.step)
-                tok_B = sample(key, s.logits_BxV, settings.temperature, settings.top_k, settings.top_p)
+                key_B = jax.vmap(jax.random.fold_in)(s.key_B, s.generated_B)
+                tok_B = sample(key_B, s.logits_BxV, settings.temperature, settings.top_k, settings.top_p)
                 active = ~s.done_B
                 tok_B = jnp.where(active, tok_B, PAD_ID)
                 slot_B = s.lengths_B
@@ -213,7 +216,7 @@ class Generator:
                 h, k, v = model.cached(tok_B[:, None], write_B[:, None], s.k_cache, s.v_cache, write_B)
                 logits = self._logits(model, h[:, 0])
             new = DecodeState(k, v, tokens, lengths, s.prompt_len_B, generated, done, s.stopped_B | hit_stop, logits,
-                              s.step + 1, s.key)
+                              s.step + 1, s.key_B)
             return i + 1, new
 
         _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
@@ -287,39 +290,58 @@ class Generator:
         return {"batch": B, "prompt": Pb, "max_len": S}
 
     # ----------------------------------------------------------------------------------------------------------------
-    def stream(self, prompts, max_tokens: int = 64, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               stop=None, seed: int = 0, chunk: int = 8) -> Iterator[list[list[int]]]:
+    def stream(self, prompts, max_tokens=64, *, temperature=1.0, top_k=0, top_p=1.0, stop=None, seed=0,
+               chunk: int = 8) -> Iterator[list[list[int]]]:
         """Yield, after each compiled chunk of up to `chunk` decode steps, the new token ids of every row.
 
         Stop tokens are not yielded. The generator's return value (StopIteration.value) is the GenerationBatch
         `generate` would return. Arguments as in `generate`.
         """
-        check_settings(temperature, top_k, top_p)
-        if max_tokens < 1 or chunk < 1:
-            raise ValueError(f"max_tokens={max_tokens} and chunk={chunk} must be >= 1")
         rows = self._encode(prompts)
-        shapes = self._shapes(rows, max_tokens)
+        n = len(rows)
+        per_row = {}
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
+                            ("top_p", top_p), ("seed", seed)):
+            values = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+            if len(values) != n:
+                raise ValueError(f"{name} has {len(values)} values for {n} prompts: give one value or one per prompt")
+            per_row[name] = values
+        for t, k, p in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
+            check_settings(t, k, p)
+        if min(per_row["max_tokens"]) < 1 or chunk < 1:
+            raise ValueError(f"max_tokens={max_tokens} and chunk={chunk} must be >= 1")
+        longest_budget = max(int(m) for m in per_row["max_tokens"])
+        shapes = self._shapes(rows, longest_budget)
         B, Pb, S = shapes["batch"], shapes["prompt"], shapes["max_len"]
         tokens = np.full((B, Pb), PAD_ID, np.int32)
         lengths = np.ones((B,), np.int32)
         for i, r in enumerate(rows):
             tokens[i, : len(r)] = r
             lengths[i] = len(r)
-        done = np.arange(B) >= len(rows)  # batch padding rows never decode
+        done = np.arange(B) >= n  # batch padding rows never decode
+
+        def column(name, dtype, pad):
+            return np.asarray(per_row[name] + [pad] * (B - n), dtype)
+
+        per_row["seed"] = [int(x) % 2**32 for x in per_row["seed"]]
+        seed_B = column("seed", np.uint32, 0)
+        seed_row_B = np.arange(B, dtype=np.int32) if not isinstance(seed, (list, tuple, np.ndarray)) else \
+            np.zeros((B,), np.int32)
         batch_sh = NamedSharding(self.mesh, logical_to_spec(("batch", None), self.rules.activations, self.mesh, (B, Pb)))
         row_sh = NamedSharding(self.mesh, logical_to_spec(("batch",), self.rules.activations, self.mesh, (B,)))
         rep = self._replicated
         args = (self.params, jax.device_put(tokens, batch_sh), jax.device_put(lengths, row_sh),
-                jax.device_put(done, row_sh), jax.device_put(jax.random.key(seed), rep))
+                jax.device_put(done, row_sh), jax.device_put(seed_B, rep), jax.device_put(seed_row_B, rep))
         compile_before = self.compile_s
         prefill = self._executable("prefill", self._prefill_fn, args, {"max_len": S})
         t0 = time.perf_counter()
         state = jax.block_until_ready(prefill(*args))
         prefill_s = time.perf_counter() - t0
 
-        settings = jax.device_put(Settings(np.float32(temperature), np.int32(top_k), np.float32(top_p),
-                                           np.int32(max_tokens), self._stop_ids(stop)), rep)
-        chunk_arr = jax.device_put(np.int32(min(chunk, max_tokens)), rep)
+        settings = jax.device_put(Settings(column("temperature", np.float32, 0.0), column("top_k", np.int32, 0),
+                                           column("top_p", np.float32, 1.0), column("max_tokens", np.int32, 1),
+                                           self._stop_ids(stop)), rep)
+        chunk_arr = jax.device_put(np.int32(min(chunk, longest_budget)), rep)
         decode = self._executable("decode", self._decode_fn, (self.params, state, settings, chunk_arr), {},
                                   donate=(1,))
         decode_s = 0.0
@@ -347,8 +369,8 @@ class Generator:
         return GenerationBatch(out, prefill_s, decode_s, self.compile_s - compile_before,
                                sum(len(r) for r in rows), int(gen[: len(rows)].sum()), shapes)
 
-    def generate(self, prompts, max_tokens: int = 64, *, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, stop=None, seed: int = 0) -> GenerationBatch:
+    def generate(self, prompts, max_tokens=64, *, temperature=1.0, top_k=0, top_p=1.0, stop=None,
+                 seed=0) -> GenerationBatch:
         """Continue each prompt by up to `max_tokens` tokens.
 
         Args:
@@ -357,11 +379,12 @@ class Generator:
           temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off (applied in that order, see sampling.py).
           stop: token ids (or single-token strings) that end a row; the stop token is not part of the output.
           seed: the same seed, prompts and settings give the same tokens.
+          max_tokens, temperature, top_k, top_p and seed each take one value for all rows or a list, one per prompt.
         Returns:
           a GenerationBatch: rows of Generation(tokens, text, prompt_tokens, finish_reason) plus timings.
         """
         it = self.stream(prompts, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                         seed=seed, chunk=max_tokens)
+                         seed=seed, chunk=max(1, int(np.max(max_tokens))))
         while True:
             try:
                 next(it)
