@@ -33,15 +33,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 2
     if "stopped_at" in summary:
         return 0  # preempted or interrupted: the checkpoint is saved, the next start continues from it
+    import jax
+
+    main_process = jax.process_index() == 0  # every process trains; only the first one reports
     losses = summary["losses"]
-    if losses:
+    if losses and main_process:
         first, last = losses[min(losses)], losses[max(losses)]
         print(f"loss {first:.4f} -> {last:.4f} over {len(losses)} steps; checkpoint in {trainer.run_dir / 'checkpoints'}")
     if cfg.sample_tokens and trainer.tokenizer is not None:
-        text = trainer.sample(summary["state"], cfg.sample_prompt, cfg.sample_tokens)
-        print("---- sample ----")
-        print(text)
-        print("----------------")
+        text = trainer.sample(summary["state"], cfg.sample_prompt, cfg.sample_tokens)  # a collective: all processes
+        if main_process:
+            print("---- sample ----")
+            print(text)
+            print("----------------")
     return 0
 
 

@@ -9,6 +9,9 @@ Where the process count and rank come from, first match wins:
    `jax.distributed.initialize()` with no arguments;
 4. otherwise one process, nothing to start.
 On CPU the cross-process collectives go through gloo. The call is idempotent.
+
+If a process dies, the others notice through the coordination service's heartbeats and exit with an error instead of
+waiting forever: after `heartbeat_timeout_s` seconds (argument, or JAXPERF_HEARTBEAT_TIMEOUT_S; JAX's default is 100).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def _cluster_detected() -> bool:
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+               process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> bool:
     """Starts the distributed runtime when this process is one of several; returns whether it did (or had)."""
     import jax
     from jax._src import distributed as _dist  # the only place that says whether initialize() already ran
@@ -49,13 +52,25 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if num_processes == 1:
             return False
         _use_gloo_on_cpu()
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                   **_timeouts(heartbeat_timeout_s))
         return True
     if _cluster_detected():
         _use_gloo_on_cpu()
-        jax.distributed.initialize()
+        jax.distributed.initialize(**_timeouts(heartbeat_timeout_s))
         return True
     return False
+
+
+def _timeouts(heartbeat_timeout_s: int | None) -> dict:
+    if heartbeat_timeout_s is None and os.environ.get("JAXPERF_HEARTBEAT_TIMEOUT_S"):
+        heartbeat_timeout_s = _int({"JAXPERF_HEARTBEAT_TIMEOUT_S": os.environ["JAXPERF_HEARTBEAT_TIMEOUT_S"]},
+                                   "JAXPERF_HEARTBEAT_TIMEOUT_S")
+    if heartbeat_timeout_s is None:
+        return {}
+    if heartbeat_timeout_s < 1:
+        raise ValueError(f"the heartbeat timeout must be >= 1 s, got {heartbeat_timeout_s}")
+    return {"heartbeat_timeout_seconds": int(heartbeat_timeout_s)}
 
 
 def _int(env: dict, key: str) -> int | None:
