@@ -1,4 +1,4 @@
-"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `info`, `bench`, `generate`, `serve`."""
+"""Command line: `jaxperf train [--preset NAME] [key=value ...]`, `info`, `bench`, `compile`, `generate`, `serve`."""
 
 from __future__ import annotations
 
@@ -89,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxperf.generate.cli import main as generate_main
 
         return int(generate_main(argv[1:]) or 0)
+    if argv[:1] == ["compile"]:
+        from jaxperf.perf.topology import main as compile_main
+
+        return int(compile_main(argv[1:]) or 0)
     if argv[:1] == ["serve"]:
         from jaxperf.generate.server import main as serve_main
 
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="run the benchmark suite (jaxperf bench --help)")
     sub.add_parser("generate", help="generate text from a run's checkpoint (jaxperf generate --help)")
+    sub.add_parser("compile", help="compile the train step for a TPU slice here (jaxperf compile --help)")
     sub.add_parser("serve", help="serve a run's checkpoint over HTTP (jaxperf serve --help)")
     for name, fn, help_ in (("train", cmd_train, "train a model"), ("info", cmd_info, "devices, mesh and peaks")):
         p = sub.add_parser(name, help=help_)

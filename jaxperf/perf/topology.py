@@ -1,0 +1,157 @@
+"""Will a run fit a TPU slice? Compile its train step for the slice's topology on this (CPU) machine and read back
+XLA's own memory and cost analyses.
+
+    jaxperf compile --topology v5p:4x4x4 --preset gpt2-medium strategy=fsdp_tp tensor=4
+    report = compile_for_topology(get_config("llama-1b"), "v5e:4x4")
+
+With `libtpu` installed (`pip install 'jax[tpu]'`), `jax.experimental.topologies.get_topology_desc` describes the
+devices of a slice that is not attached; the train step is lowered against abstract arrays placed on a mesh of those
+devices and compiled by the TPU compiler. The figures are those of the real program: bytes per chip for arguments
+(parameters, optimizer state, batch), outputs, temporaries and code, and FLOPs per chip per step. Nothing is allocated
+and nothing runs; a 4x4x4 slice compiles in seconds to minutes on a laptop-class CPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+GiB = 2**30
+
+
+class TopologyError(RuntimeError):
+    """The topology cannot be described here (no libtpu, or an unknown name)."""
+
+
+def topology_devices(topology: str) -> list:
+    """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2", from libtpu (no TPU needed)."""
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # pragma: no cover - every supported jax has it
+        raise TopologyError(f"jax.experimental.topologies is missing: {e}") from None
+    if ":" not in topology:
+        raise TopologyError(f"topology {topology!r} should look like v5p:4x4x4 (chip:shape)")
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise TopologyError(f"describing {topology!r} needs libtpu, which is not installed: pip install 'jax[tpu]' "
+                            "(the version matching your jax), then retry; no TPU is needed")
+    try:
+        desc = topologies.get_topology_desc(topology, platform="tpu")
+    except Exception as e:
+        raise TopologyError(f"cannot describe {topology!r}: {e}") from None
+    return list(desc.devices)
+
+
+def compile_for_topology(cfg, topology: str) -> dict[str, Any]:
+    """Compile cfg's train step for every chip of `topology`; returns a report (see `format_report`)."""
+    from jaxperf.config import validate
+    from jaxperf.models import GPT
+    from jaxperf.parallel.mesh import make_mesh, mesh_shape
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.perf.hardware import chip_for
+    from jaxperf.perf.memory import estimate
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, decay_mask, next_token_loss
+
+    devices = topology_devices(topology)
+    shape = mesh_shape(cfg.parallel, len(devices))
+    validate(cfg, len(devices), shape)
+    mesh = make_mesh(cfg.parallel, devices)
+    rules = get_rules(cfg.parallel.strategy, mesh)
+    model_cfg = cfg.model
+    make = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None, seed=cfg.seed)
+    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
+    task = Task.create(make, mesh, rules, tx, seed=cfg.seed)
+    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule)
+    state = task.abstract_state()
+    B, L = cfg.batch_size, cfg.train_seq_len
+    tok = task.batch_sharding(2)
+    batch = {"inputs": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=tok),
+             "targets": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=tok),
+             "mask": jax.ShapeDtypeStruct((B, L), jnp.float32, sharding=tok)}
+    t0 = time.perf_counter()
+    compiled = step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    chip = chip_for(devices[0])
+    arg = int(getattr(mem, "argument_size_in_bytes", 0))
+    out = int(getattr(mem, "output_size_in_bytes", 0))
+    alias = int(getattr(mem, "alias_size_in_bytes", 0))
+    temp = int(getattr(mem, "temp_size_in_bytes", 0))
+    code = int(getattr(mem, "generated_code_size_in_bytes", 0))
+    total = arg + out - alias + temp + code
+    flops = float((cost or {}).get("flops", 0.0))
+    peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
+    est = estimate(cfg, shape)
+    report = {
+        "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
+        "mesh": {a: int(n) for a, n in mesh.shape.items()}, "strategy": cfg.parallel.strategy,
+        "batch": B, "seq_len": L, "compile_s": compile_s,
+        "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
+                           "total": total},
+        "hbm_bytes": chip.hbm_bytes if chip else None,
+        "fits": (total <= chip.hbm_bytes) if chip else None,
+        "estimated_bytes_per_chip": int(est.total),
+        "flops_per_chip": flops,
+        "step_s_at_peak": flops / peak if peak and flops else None,
+        "tokens_per_s_at_peak": B * L / (flops / peak) if peak and flops else None,
+    }
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    b = r["bytes_per_chip"]
+    mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items())
+    lines = [
+        f"{r['topology']}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
+        f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
+        f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
+        f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
+        f" -> {b['total'] / GiB:.2f} GiB",
+    ]
+    if r["hbm_bytes"]:
+        verdict = "fits" if r["fits"] else "DOES NOT FIT"
+        lines.append(f"HBM per chip {r['hbm_bytes'] / GiB:.1f} GiB: {verdict} "
+                     f"({100 * b['total'] / r['hbm_bytes']:.0f}% used)")
+    if r.get("estimated_bytes_per_chip"):
+        lines.append(f"jaxperf's own estimate before compiling: {r['estimated_bytes_per_chip'] / GiB:.2f} GiB per chip")
+    if r["flops_per_chip"]:
+        lines.append(f"FLOPs per chip per step {r['flops_per_chip']:.3e}")
+    if r["step_s_at_peak"]:
+        lines.append(f"at peak FLOP/s a step takes >= {1e3 * r['step_s_at_peak']:.3g} ms, "
+                     f"<= {r['tokens_per_s_at_peak']:,.0f} tokens/s for the slice")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`jaxperf compile --topology v5p:4x4x4 [--preset NAME] [key=value ...] [--json]`."""
+    import argparse
+    import json
+    import sys
+
+    from jaxperf.config import ConfigError, get_config
+
+    p = argparse.ArgumentParser(prog="jaxperf compile",
+                                description="Compile a run's train step for a TPU slice on this machine and report "
+                                            "memory and FLOPs per chip (needs libtpu: pip install 'jax[tpu]').")
+    p.add_argument("--topology", required=True, help="chip:shape, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv)
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        report = compile_for_topology(cfg, args.topology)
+    except (ConfigError, TopologyError) as e:
+        print(f"jaxperf compile: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["fits"] is not False else 1
