@@ -120,6 +120,17 @@ def test_kernels_tiny_checks_then_times_every_impl():
     assert all("speed_vs_xla" in r for r in recs if r["impl"] != "xla")
 
 
+def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
+    recs = load("collectives").main(["--tiny", "--iters", "2", "--out", str(tmp_path)])
+    algos = ("psum", "ring", "bidirectional_ring", "halving_doubling")
+    check_records(recs, "collectives", ["link/psum_fit"] + [f"{a}/{s}" for a in algos for s in ("1KiB", "1MiB")])
+    for r in recs[1:]:
+        assert r["unit"] == "GB/s" and r["seconds"] > 0 and r["predicted_s"] > 0, r
+        assert r["value"] == pytest.approx(r["nbytes"] / r["seconds"] * 2 * 7 / 8 / 1e9)  # bus bandwidth, n=8
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "collectives.png").stat().st_size > 0
+
+
 def test_hardware_rejects_unknown_dtype():
     with pytest.raises(SystemExit, match="int4"):
         load("hardware").main(["--tiny", "--dtypes", "int4"])

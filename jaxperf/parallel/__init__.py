@@ -1,5 +1,9 @@
 """Parallelism: the device mesh, logical-axis rule tables per strategy, and sharding checks."""
 
+from jaxperf.parallel.collectives import (
+    ALL_REDUCES, LinkModel, all_gather_matmul, bidirectional_ring_all_reduce, bus_bandwidth, fit_link,
+    halving_doubling_all_reduce, matmul_reduce_scatter, predict, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+)
 from jaxperf.parallel.mesh import MESH_AXES, describe, make_mesh, mesh_shape
 from jaxperf.parallel.rules import STRATEGIES, Rules, activation_sharding, constrain, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, check_sharding, tree_shardings
@@ -7,4 +11,8 @@ from jaxperf.parallel.sharding import batch_sharding, check_sharding, tree_shard
 __all__ = [
     "MESH_AXES", "STRATEGIES", "Rules", "activation_sharding", "batch_sharding", "check_sharding", "constrain",
     "describe", "get_rules", "logical_to_spec", "make_mesh", "mesh_shape", "tree_shardings",
+    # collectives
+    "ALL_REDUCES", "LinkModel", "all_gather_matmul", "bidirectional_ring_all_reduce", "bus_bandwidth", "fit_link",
+    "halving_doubling_all_reduce", "matmul_reduce_scatter", "predict", "ring_all_gather", "ring_all_reduce",
+    "ring_reduce_scatter",
 ]

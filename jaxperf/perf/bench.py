@@ -30,6 +30,7 @@ BENCHMARKS: dict[str, str] = {
     "hardware": "bench_hardware.py",
     "train": "bench_train.py",
     "kernels": "bench_kernels.py",
+    "collectives": "bench_collectives.py",
 }
 
 
