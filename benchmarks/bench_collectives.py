@@ -37,6 +37,7 @@ from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.timing import benchmark
 
 NAME = "collectives"
+TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -131,6 +131,27 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
         assert (tmp_path / "collectives.png").stat().st_size > 0
 
 
+def test_generate_tiny_checks_then_times_prefill_and_decode():
+    recs = load("generate").main(["--tiny"])
+    check_records(recs, "generate", ["prefill_b1", "decode_b1", "prefill_b4", "decode_b4"])
+    by_name = {r["name"]: r for r in recs}
+    for b in (1, 4):
+        d = by_name[f"decode_b{b}"]
+        assert d["unit"] == "tokens/s" and d["value"] == pytest.approx(b * d["max_tokens"] / d["decode_s"])
+        # % of the bandwidth limit is the floor over the measured step
+        assert d["pct_of_peak"] == pytest.approx(100 * d["bandwidth_floor_s"] / d["step_s"], rel=1e-2)
+
+
+def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeypatch):
+    seen = {}
+    for name in ("collectives", "async_dispatch"):
+        module = load(name)
+        monkeypatch.setattr(module, "main", lambda argv, name=name: seen.setdefault(name, argv) and [])
+        monkeypatch.setattr(bench, "load_script", lambda _n, _d=None, module=module: module)
+        bench.run_one(name, ["--tiny"], BENCH_DIR, tmp_path)
+    assert seen == {"collectives": ["--tiny", "--out", str(tmp_path)], "async_dispatch": ["--tiny"]}
+
+
 def test_hardware_rejects_unknown_dtype():
     with pytest.raises(SystemExit, match="int4"):
         load("hardware").main(["--tiny", "--dtypes", "int4"])

@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-# name -> script in benchmarks/ (generate is added when its script is present).
+# name -> script in benchmarks/. A script that sets TAKES_OUT = True also gets `--out DIR` for its plots.
 BENCHMARKS: dict[str, str] = {
     "compiled_vs_eager": "bench_compiled_vs_eager.py",
     "async_dispatch": "bench_async_dispatch.py",
@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "train": "bench_train.py",
     "kernels": "bench_kernels.py",
     "collectives": "bench_collectives.py",
+    "generate": "bench_generate.py",
 }
 
 
@@ -76,10 +77,14 @@ def load_script(name: str, directory: Path | None = None):
     return module
 
 
-def run_one(name: str, argv: list[str], directory: Path | None = None) -> list[dict[str, Any]]:
+def run_one(name: str, argv: list[str], directory: Path | None = None,
+            out: Path | None = None) -> list[dict[str, Any]]:
     """Run one benchmark's main(argv); any failure becomes a single record with an "error" field."""
     try:
-        records = load_script(name, directory).main(argv)
+        module = load_script(name, directory)
+        if out is not None and getattr(module, "TAKES_OUT", False):
+            argv = [*argv, "--out", str(out)]
+        records = module.main(argv)
         if not isinstance(records, list):
             raise TypeError(f"main() returned {type(records).__name__}, expected a list of records")
         for r in records:
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"== {name}", flush=True)
         with contextlib.redirect_stdout(sys.stderr):  # the scripts' own JSON lines go to stderr; the table to stdout
-            records += run_one(name, ["--tiny"] if a.tiny else [], directory)
+            records += run_one(name, ["--tiny"] if a.tiny else [], directory, out)
     results = out / "results.jsonl"
     with results.open("w") as f:
         for r in records:
