@@ -144,8 +144,8 @@ def test_generate_tiny_checks_then_times_prefill_and_decode():
 
 def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeypatch):
     seen = {}
-    for name in ("collectives", "async_dispatch"):
-        module = load(name)
+    modules = {name: load(name) for name in ("collectives", "async_dispatch")}
+    for name, module in modules.items():
         monkeypatch.setattr(module, "main", lambda argv, name=name: seen.setdefault(name, argv) and [])
         monkeypatch.setattr(bench, "load_script", lambda _n, _d=None, module=module: module)
         bench.run_one(name, ["--tiny"], BENCH_DIR, tmp_path)
