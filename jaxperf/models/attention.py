@@ -125,3 +125,19 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
     if why is not None:
         raise RuntimeError(f"attention impl {impl!r} cannot run here: {why}. Use impl='auto' or 'xla'.")
     return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _ring(q, k, v, *, causal=True, segment_ids=None):
+    from jaxperf.parallel.ring_attention import ring_attention_ambient
+
+    return ring_attention_ambient(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def _ring_unavailable(q, k, v):
+    from jaxperf.parallel.ring_attention import ring_unavailable
+
+    return ring_unavailable(q, k, v)
+
+
+# Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention); explicit only.
+register_attention("ring", _ring, _ring_unavailable, priority=-1)
