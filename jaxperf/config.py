@@ -100,6 +100,7 @@ class ParallelConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    flavour: str = "jit"  # how the step is written: jit (GSPMD) | shard_map | pmap (see jaxperf.train.explicit)
 
 
 @dataclass(frozen=True)
@@ -323,6 +324,34 @@ _MODEL_CHOICES = {
 }
 
 
+# Step flavours and the strategies each can run (jaxperf.train.explicit writes the explicit-collective ones).
+FLAVOURS: dict[str, tuple[str, ...]] = {
+    "jit": ("dp", "fsdp", "tp", "fsdp_tp"),
+    "shard_map": ("dp", "fsdp"),
+    "pmap": ("dp",),
+}
+
+
+def validate_flavour(parallel: ParallelConfig) -> None:
+    """Raise ConfigError for an unknown `parallel.flavour` or a flavour that cannot run `parallel.strategy`."""
+    flavour, strategy = parallel.flavour, parallel.strategy
+    if flavour not in FLAVOURS:
+        close = difflib.get_close_matches(str(flavour), list(FLAVOURS), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}.{hint}")
+    supported = FLAVOURS[flavour]
+    # Only the built-in strategy names are judged here; a table registered by the user is checked against the mesh
+    # when the step is built (jaxperf.train.explicit.check_flavour), and an unknown name by get_rules.
+    if strategy in FLAVOURS["jit"] and strategy not in supported:
+        others = [f for f, s in FLAVOURS.items() if strategy in s]
+        raise ConfigError(
+            f"parallel.flavour={flavour} supports parallel.strategy {' and '.join(supported)}, not {strategy!r}: use "
+            f"{' or '.join(f'parallel.flavour={f}' for f in others) or 'another strategy'} for {strategy}"
+            + (" (tensor parallelism needs the model's layers to insert their own collectives)"
+               if strategy in ("tp", "fsdp_tp") else "")
+        )
+
+
 def validate_model(m: ModelConfig) -> ModelConfig:
     """Check a model config and return it resolved (style defaults filled in)."""
     for name, choices in _MODEL_CHOICES.items():
@@ -348,6 +377,7 @@ def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | No
     """
     from jaxperf.parallel.mesh import mesh_shape as _mesh_shape
 
+    validate_flavour(cfg.parallel)
     shape = mesh_shape or _mesh_shape(cfg.parallel, num_devices)
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:

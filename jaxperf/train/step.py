@@ -52,6 +52,36 @@ def _param_axes(abstract_params: nnx.State) -> Any:
     return nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
 
 
+def finish_step(tx, opts: HealthOptions, state: TrainState, grads, loss, tokens, model_state, schedule=None):
+    """The end of every step flavour: optimizer update, the numerical-health select, and the metrics.
+
+    `grads` and `loss` are the final (averaged, unscaled) values and `tokens` the batch weight; the jit step calls it
+    on global arrays, the explicit-collective steps (jaxperf.train.explicit) on per-device values that are already
+    reduced. Returns (new TrainState, metrics).
+    """
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = all_finite(grads) & jnp.isfinite(loss)
+    ok = jnp.logical_not(is_spike(state.health, loss, opts))
+    if opts.skip_nonfinite or opts.loss_scale:
+        ok = ok & finite
+    params = select(ok, params, state.params)
+    opt_state = select(ok, opt_state, state.opt_state)
+    model_state = select(ok, model_state, state.model_state)
+    health = update_health(state.health, ok=ok, finite=finite, loss=loss, opts=opts)
+    metrics = {
+        "loss": loss,
+        "grad_norm": _global_norm(grads),
+        "tokens": tokens,
+        "skipped": jnp.logical_not(ok).astype(jnp.int32),
+        "consecutive_skips": health["consecutive"],
+        "loss_scale": state.health["loss_scale"],
+    }
+    if schedule is not None:
+        metrics["lr"] = schedule(state.step)
+    return TrainState(state.step + 1, params, opt_state, model_state, health), metrics
+
+
 def decay_mask(params_axes: Any, abstract_params: Any) -> Any:
     """True where AdamW should decay: weight matrices and embeddings, not norms or biases.
 
@@ -202,28 +232,7 @@ class Task:
                     (grads, total_w, total_loss, model_state), _ = jax.lax.scan(body, init, micro)
                 grads = grad_constraint(jax.tree.map(lambda g: g / (total_w * scale), grads))
                 loss = total_loss / (total_w * scale)
-                updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
-                params = optax.apply_updates(state.params, updates)
-            finite = all_finite(grads) & jnp.isfinite(loss)
-            ok = jnp.logical_not(is_spike(state.health, loss, opts))
-            if opts.skip_nonfinite or opts.loss_scale:
-                ok = ok & finite
-            params = select(ok, params, state.params)
-            opt_state = select(ok, opt_state, state.opt_state)
-            model_state = select(ok, model_state, state.model_state)
-            health = update_health(state.health, ok=ok, finite=finite, loss=loss, opts=opts)
-            metrics = {
-                "loss": loss,
-                "grad_norm": _global_norm(grads),
-                "tokens": total_w,
-                "skipped": jnp.logical_not(ok).astype(jnp.int32),
-                "consecutive_skips": health["consecutive"],
-                "loss_scale": state.health["loss_scale"],
-            }
-            if schedule is not None:
-                metrics["lr"] = schedule(state.step)
-            new_state = TrainState(state.step + 1, params, opt_state, model_state, health)
-            return new_state, metrics
+            return finish_step(self.tx, opts, state, grads, loss, total_w, model_state, schedule)
 
         shardings = self.state_shardings()
         return jax.jit(

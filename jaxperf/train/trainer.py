@@ -33,6 +33,7 @@ from jaxperf.parallel.rules import get_rules
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import peak_flops
+from jaxperf.train.explicit import FlavouredStep, build_train_step, check_flavour
 from jaxperf.train.health import HealthOptions
 from jaxperf.train.optimizer import make_optimizer
 from jaxperf.train.step import LossFn, Task, TrainState, decay_mask, next_token_loss
@@ -147,14 +148,17 @@ class Trainer:
         probe = Task.create(make_model, self.mesh, self.rules, None, seed=cfg.seed)
         self.tx, self.schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
         self.task = Task.create(make_model, self.mesh, self.rules, self.tx, seed=cfg.seed, health=health_options(cfg))
+        check_flavour(cfg.parallel.flavour, self.task)  # e.g. pmap with sharded parameters: refused before compiling
         self.run_dir = Path(cfg.run_dir)
         self._train_step = None
         self._eval_step = None
 
     # ----------------------------------------------------------------------------------------------------------------
-    def _steps(self):
+    def _steps(self) -> tuple[FlavouredStep, Callable]:
+        """(train step of cfg.parallel.flavour, jit eval step); the eval step takes the usual state in every flavour."""
         if self._train_step is None:
-            self._train_step = self.task.train_step(self.loss_fn, microbatches=self.cfg.microbatches, schedule=self.schedule)
+            self._train_step = build_train_step(self.task, self.loss_fn, self.cfg.parallel.flavour,
+                                                microbatches=self.cfg.microbatches, schedule=self.schedule)
             self._eval_step = self.task.eval_step(self.loss_fn)
         return self._train_step, self._eval_step
 
@@ -226,6 +230,8 @@ class Trainer:
         if start >= cfg.max_steps:
             _log(f"the run in {self.run_dir} is already at step {start} >= max_steps={cfg.max_steps}: nothing to train")
         train_step, _ = self._steps()
+        state = train_step.to_step(state)  # the flavour's layout (pmap: a leading device axis); `usual` undoes it
+        usual = train_step.from_step
         writer = MetricsWriter(self.run_dir, cfg.tensorboard)
         progress = Progress(cfg.max_steps, start)
         peak, peak_src = peak_flops(cfg.model.dtype)
@@ -287,7 +293,7 @@ class Trainer:
                     consume(*pending)
                     pending = None
                     progress.close()
-                    ckpt.save(done, state, metadata=self._metadata(done), force=True)
+                    ckpt.save(done, usual(state), metadata=self._metadata(done), force=True)
                     _log(f"{stop.reason}: saved a checkpoint at step {done} in {self.run_dir / 'checkpoints'}; "
                          "run the same command again to continue")
                     summary["stopped_at"] = done
@@ -295,16 +301,17 @@ class Trainer:
                 if cfg.eval_every and done % cfg.eval_every == 0 and self.val_data is not None:
                     consume(*pending)
                     pending = None
-                    val = self.evaluate(state)
+                    val = self.evaluate(usual(state))
                     writer.write(done, {"val_loss": val})
                     progress.close()
                     _log(f"step {done}: val_loss {val:.4f}")
                     t_last, step_last = time.perf_counter(), done
                 if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < cfg.max_steps:
-                    ckpt.save(done, state, metadata=self._metadata(done))
+                    ckpt.save(done, usual(state), metadata=self._metadata(done))
         if pending is not None:
             consume(*pending)
         progress.close()
+        state = usual(state)
         if int(jax.device_get(state.step)) > 0:
             ckpt.save(int(jax.device_get(state.step)), state, metadata=self._metadata(start + len(losses)), force=True)
         ckpt.close()
@@ -322,7 +329,8 @@ class Trainer:
         report = check_sharding({"params": state.params, "opt_state": state.opt_state}, self.mesh,
                                 {"params": factor, "opt_state": factor})
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
-        _log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, {format_report(report, self.mesh)}")
+        _log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, flavour {self.cfg.parallel.flavour}, "
+             f"{format_report(report, self.mesh)}")
         for name, r in report.items():
             if r["ratio_to_expected"] > 1.5:
                 _log(f"warning: {name} uses {r['ratio_to_expected']:.1f}x the expected bytes per device: some dims "

@@ -1,0 +1,343 @@
+"""The train step with its collectives written out by hand: shard_map and pmap twins of the jit step.
+
+`parallel.flavour` picks how the one train step of jaxperf.train.step is written. All flavours give the same numbers
+(tests/test_flavours.py checks them against a single-device jit step) and the same checkpoints:
+
+  jit        GSPMD: the step is written for one big device and XLA derives every collective from the shardings of the
+             rule table. Runs every strategy.
+  shard_map  the body sees each device's block and names each collective itself.
+             dp: parameters and optimizer state replicated, the batch split over the data-parallel axes. Each device
+               differentiates its own rows, `lax.pmean` averages the gradients, and every device applies the same
+               optimizer update to its own copy; the whole step runs inside the shard_map.
+             fsdp (ZeRO-3): each device stores 1/n of every parameter and of its optimizer moments, placed exactly as
+               the jit fsdp strategy places them (the rule table's `embed` dim over `fsdp`). The body all-gathers the
+               parameters (`lax.all_gather(..., tiled=True)` along the sharded dim), differentiates its rows with the
+               whole parameters, and reduce-scatters the gradients (`lax.psum_scatter` on that same dim) so that each
+               device ends with the batch-summed gradient of exactly the shard it stores; a parameter whose dims do
+               not divide stays whole and its gradient is `lax.psum`med. The optimizer update is then applied in the
+               jit around the shard_map, to shards that live where their gradients do: it is elementwise, so each
+               device updates only its 1/n, and its one global quantity (the gradient norm for clipping) becomes a
+               scalar all-reduce. Doing the update inside the shard_map would let clip_by_global_norm see one shard's
+               norm only.
+  pmap       data parallelism the classic way, one process: the state carries a leading device axis, `jax.pmap` runs
+             the same per-device step as shard_map dp. `FlavouredStep.to_step` / `from_step` convert at the boundary,
+             so the Trainer checkpoints, evaluates and logs the usual state.
+
+Tensor parallelism (tp, fsdp_tp) stays with flavour=jit: under shard_map the model's layers would have to run with
+local head counts and psum after each row-parallel matmul themselves; `check_flavour` refuses it before compiling.
+
+Weighting: as in the jit step, a device's gradient of its mean loss is multiplied by its number of unmasked tokens,
+summed over devices and microbatches, and divided by the global token count, so unequal masks across devices and
+microbatches still give the gradient of one big batch. Microbatches split each device's own rows (row i, i+k, ...).
+
+Autodiff inside shard_map would sum the gradient of a replicated (device-invariant) input over the devices by itself.
+The steps here first mark the parameters as per-device values (`lax.pcast(..., to="varying")`), so every reduction
+happens in a collective written below; shard_map's replication check then proves the result: leave out the pmean and
+the step no longer traces, because its parameters would differ between devices.
+
+    step = build_train_step(task, next_token_loss, "shard_map", microbatches=2, schedule=sched)
+    state = step.to_step(task.init_state())        # the identity except for pmap
+    state, metrics = step(state, batch)            # batch placed with task.batch_sharding()
+    state = step.from_step(state)                  # back to task.state_shardings(), e.g. for a checkpoint
+
+Legend: n devices on the data-parallel axes, B global batch rows, b = B / n rows per device, k microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxperf import _compat
+from jaxperf.config import FLAVOURS, ConfigError
+from jaxperf.parallel.rules import logical_to_spec
+from jaxperf.parallel.sharding import replicated
+from jaxperf.train.step import LossFn, Task, TrainState, finish_step
+
+PMAP_AXIS = "replica"  # the axis name the pmap step reduces over
+
+
+def _identity(x):
+    return x
+
+
+@dataclass(frozen=True)
+class FlavouredStep:
+    """A train step and the conversions at its boundary; `step(state, batch) -> (state, metrics)`.
+
+    `to_step` turns a state laid out by `task.state_shardings()` into the step's own layout and `from_step` turns it
+    back (both the identity for jit and shard_map, whose states are laid out exactly like the jit step's). Batches and
+    metrics keep the jit step's form on the outside.
+    """
+
+    flavour: str
+    fn: Callable
+    to_step: Callable[[TrainState], Any] = _identity
+    from_step: Callable[[Any], TrainState] = _identity
+    prepare_batch: Callable[[Any], Any] = _identity
+    finish_metrics: Callable[[Any], Any] = _identity
+
+    def __call__(self, state, batch):
+        state, metrics = self.fn(state, self.prepare_batch(batch))
+        return state, self.finish_metrics(metrics)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layout helpers
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _spec_axes(spec: P) -> set[str]:
+    return {a for entry in spec for a in _axes_of(entry)}
+
+
+def data_axes(task: Task) -> tuple[str, ...]:
+    """The mesh axes (larger than 1) that the batch dim is split over, in mesh order: the data-parallel axes."""
+    spec = logical_to_spec(("batch",), task.rules.activations, task.mesh)
+    return _axes_of(spec[0]) if len(spec) else ()
+
+
+def _batch_spec(axes: tuple[str, ...]) -> P:
+    if not axes:
+        return P()
+    return P(axes[0] if len(axes) == 1 else axes)
+
+
+def _flat_specs(task: Task) -> list[tuple[str, P]]:
+    leaves = jax.tree_util.tree_flatten_with_path(task.param_shardings)[0]
+    return [("/".join(str(getattr(k, "key", k)) for k in path), s.spec) for path, s in leaves]
+
+
+def check_flavour(flavour: str, task: Task) -> None:
+    """Raise ConfigError, before anything compiles, when `flavour` cannot run the task's rule table on its mesh.
+
+    shard_map runs a parameter sharded over data-parallel axes only (dp, fsdp); pmap runs replicated parameters only,
+    in one process.
+    """
+    if flavour not in FLAVOURS:
+        raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}")
+    if flavour == "jit":
+        return
+    data = set(data_axes(task))
+    for path, spec in _flat_specs(task):
+        other = sorted(_spec_axes(spec) - data)
+        if other:
+            raise ConfigError(
+                f"flavour={flavour} supports strategies dp and fsdp, but strategy {task.rules.name!r} splits parameter "
+                f"{path} ({spec}) over {', '.join(other)}, which is not a data-parallel axis: use parallel.flavour=jit "
+                f"for tensor parallelism"
+            )
+    if flavour == "pmap":
+        sharded = [path for path, spec in _flat_specs(task) if _spec_axes(spec)]
+        if sharded:
+            raise ConfigError(
+                f"flavour=pmap keeps a whole copy of every parameter on each device (strategy dp), but strategy "
+                f"{task.rules.name!r} shards {len(sharded)} of them (e.g. {sharded[0]}): use "
+                f"parallel.flavour=shard_map or jit for {task.rules.name}"
+            )
+        if jax.process_count() > 1:
+            raise ConfigError(f"flavour=pmap runs in one process, not {jax.process_count()}: use parallel.flavour="
+                              f"shard_map or jit for multi-process runs")
+
+
+def _cast_varying(x, axes: tuple[str, ...]):
+    """Mark `x` as a per-device value over `axes`, so that its gradient stays per device until we reduce it."""
+    return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _gather(shard, spec: P):
+    """The whole parameter from this device's shard: all-gather along every sharded dim."""
+    for dim, entry in enumerate(spec):
+        if _axes_of(entry):
+            shard = lax.all_gather(shard, _axes_of(entry), axis=dim, tiled=True)
+    return shard
+
+
+def _reduce_scatter(grad, spec: P, axes: tuple[str, ...]):
+    """Sum a whole-parameter gradient over the data-parallel `axes`, keeping only this device's shard of it."""
+    scattered: set[str] = set()
+    for dim, entry in enumerate(spec):
+        if _axes_of(entry):
+            grad = lax.psum_scatter(grad, _axes_of(entry), scatter_dimension=dim, tiled=True)
+            scattered.update(_axes_of(entry))
+    rest = tuple(a for a in axes if a not in scattered)
+    return lax.psum(grad, rest) if rest else grad
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-device pieces shared by the flavours
+
+
+def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale, microbatches: int, vary):
+    """This device's (Σ grads·w, Σ w, Σ loss·w, model state) over its k microbatches, with no communication.
+
+    `params` must already be per-device values; `vary` marks a fresh constant as one (the accumulators).
+    """
+
+    def scaled_loss(model, mb, s):
+        loss, aux = loss_fn(model, mb)
+        return loss * s, aux
+
+    zero = vary(jnp.zeros((), jnp.float32))
+    if microbatches == 1:
+        loss, w, _, model_state, g = task._grads(scaled_loss, params, model_state, batch, scale)
+        # `zero +` keeps a weight that does not depend on the rows (a loss without aux["weight"]) per device too.
+        return jax.tree.map(lambda x: x * w, g), zero + w, zero + loss * w, model_state
+
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    if rows % microbatches:
+        raise ConfigError(f"each device holds {rows} rows of the batch, which do not split into microbatches="
+                          f"{microbatches}: make batch_size a multiple of microbatches * the data-parallel size")
+
+    def split_bxk(x):  # [b, ...] -> [k, b/k, ...]: microbatch i takes local rows i, i+k, i+2k...
+        x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+        return jnp.swapaxes(x, 0, 1)
+
+    def body(carry, mb):
+        g_sum, w_sum, l_sum, ms = carry
+        loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale)
+        return (jax.tree.map(lambda a, b: a + b * w, g_sum, g), w_sum + w, l_sum + loss * w, ms), None
+
+    zeros = vary(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))
+    init = (zeros, zero, zero, model_state)
+    (g, w, l, model_state), _ = lax.scan(body, init, jax.tree.map(split_bxk, batch))
+    return g, w, l, model_state
+
+
+def _loss_scale(task: Task, state: TrainState):
+    return state.health["loss_scale"] if task.health.loss_scale else jnp.ones((), jnp.float32)
+
+
+def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, schedule, vary):
+    """The data-parallel step one device runs (under shard_map or pmap): local grads, pmean, the same update."""
+    pmean = (lambda x: lax.pmean(x, axes)) if axes else _identity  # no axes: a one-device mesh
+    psum = (lambda x: lax.psum(x, axes)) if axes else _identity
+
+    def step(state: TrainState, batch):
+        scale = _loss_scale(task, state)
+        params = vary(state.params)  # this device's copy: its gradient stays local until the pmean below
+        g, w, l, model_state = _local_grads(task, loss_fn, params, state.model_state, batch, scale, microbatches, vary)
+        w_mean = pmean(w)
+        grads = jax.tree.map(lambda x: pmean(x) / (w_mean * scale), g)
+        loss = pmean(l) / (w_mean * scale)
+        tokens = psum(w)
+        return finish_step(task.tx, task.health, state, grads, loss, tokens, model_state, schedule)
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Step builders
+
+
+def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, schedule=None,
+                         donate: bool = True) -> FlavouredStep:
+    """The step under shard_map: dp when the rule table replicates every parameter, fsdp (ZeRO-3) when it shards them
+    over data-parallel axes. State and batch are laid out as for `task.train_step` (same shardings, same checkpoints).
+
+    Args:
+      task: a Task whose rule table maps parameters onto data-parallel axes only (strategies dp, fsdp).
+      loss_fn: `(model, batch) -> (mean_loss, aux)`, as for `Task.train_step`.
+      microbatches: k; each device splits its b rows into k sequential microbatches (b % k == 0).
+      schedule: the learning-rate schedule, reported as metrics["lr"].
+    Returns:
+      a FlavouredStep whose `(state, batch) -> (state, metrics)` is jitted with the jit step's shardings.
+    """
+    check_flavour("shard_map", task)
+    mesh, axes = task.mesh, data_axes(task)
+    vary_all = lambda tree: jax.tree.map(lambda x: _cast_varying(x, axes), tree)  # noqa: E731
+    state_shardings = task.state_shardings()
+    param_specs = jax.tree.map(lambda s: s.spec, task.param_shardings)
+    batch_spec = _batch_spec(axes)
+
+    if not any(_spec_axes(spec) for _, spec in _flat_specs(task)):  # dp: the whole step per device
+        body = _replicated_step(task, loss_fn, axes=axes, microbatches=microbatches, schedule=schedule,
+                                vary=vary_all)
+        step = _compat.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
+    else:  # fsdp: gather, local grads, reduce-scatter; the update on the shards outside
+
+        def grads_body(param_shards, model_state, batch, scale):
+            def whole(shard, spec):
+                missing = tuple(a for a in axes if a not in _spec_axes(spec))
+                return _cast_varying(_gather(shard, spec), missing)
+
+            params = jax.tree.map(whole, param_shards, param_specs)
+            g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
+                                                vary_all)
+            g = jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), g, param_specs)
+            return g, lax.psum(w, axes), lax.psum(l, axes), model_state
+
+        sharded_grads = _compat.shard_map(grads_body, mesh=mesh, in_specs=(param_specs, P(), batch_spec, P()),
+                                          out_specs=(param_specs, P(), P(), P()))
+
+        def step(state: TrainState, batch):
+            scale = _loss_scale(task, state)
+            g, w, l, model_state = sharded_grads(state.params, state.model_state, batch, scale)
+            grads = jax.tree.map(lambda x: x / (w * scale), g)
+            return finish_step(task.tx, task.health, state, grads, l / (w * scale), w, model_state, schedule)
+
+    jitted = jax.jit(step, in_shardings=(state_shardings, task.batch_sharding()),
+                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
+    return FlavouredStep("shard_map", jitted)
+
+
+def pmap_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, schedule=None,
+                    donate: bool = True) -> FlavouredStep:
+    """Data parallelism with jax.pmap over the task's mesh devices (strategy dp, one process).
+
+    Inside, the state has a leading device axis: `to_step` stacks a replicated TrainState into it, `from_step` takes
+    replica 0 back to `task.state_shardings()`. The batch is given as for the jit step (rows over the data-parallel
+    axes) and regrouped per device as [n, b, ...] without moving data; metrics come back as scalars.
+    """
+    check_flavour("pmap", task)
+    devices = list(task.mesh.devices.flat)
+    n = len(devices)
+    stacked = NamedSharding(_compat.make_mesh((n,), (PMAP_AXIS,), devices=devices), P(PMAP_AXIS))
+    body = _replicated_step(task, loss_fn, axes=PMAP_AXIS, microbatches=microbatches, schedule=schedule,
+                            vary=_identity)
+    pstep = jax.pmap(body, axis_name=PMAP_AXIS, devices=devices, donate_argnums=(0,) if donate else ())
+    state_shardings = task.state_shardings()
+
+    def per_device(x):
+        """[n, ...] whose slice i is the block device i holds: a replica of the state, or its rows of the batch."""
+        by_device = {s.device: s.data for s in x.addressable_shards}
+        pieces = [jnp.expand_dims(by_device[d], 0) for d in devices]
+        return jax.make_array_from_single_device_arrays((n, *pieces[0].shape[1:]), stacked, pieces)
+
+    def to_step(state: TrainState):
+        return jax.tree.map(per_device, jax.device_put(state, state_shardings))
+
+    def from_step(state) -> TrainState:
+        replica = jax.tree.map(lambda x: x.addressable_shards[0].data[0], state)
+        return jax.device_put(replica, state_shardings)
+
+    def prepare_batch(batch):
+        return jax.tree.map(per_device, jax.device_put(batch, task.batch_sharding()))
+
+    def finish_metrics(metrics):
+        return jax.tree.map(lambda m: m.addressable_shards[0].data[0], metrics)
+
+    return FlavouredStep("pmap", pstep, to_step, from_step, prepare_batch, finish_metrics)
+
+
+def build_train_step(task: Task, loss_fn: LossFn, flavour: str = "jit", *, microbatches: int = 1, schedule=None,
+                     donate: bool = True) -> FlavouredStep:
+    """The train step of `flavour` (jit | shard_map | pmap) for `task`, checked before anything compiles."""
+    check_flavour(flavour, task)
+    if flavour == "jit":
+        return FlavouredStep("jit", task.train_step(loss_fn, microbatches=microbatches, schedule=schedule,
+                                                    donate=donate))
+    build = shard_map_train_step if flavour == "shard_map" else pmap_train_step
+    return build(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate)

@@ -1,0 +1,277 @@
+"""Step flavours: the shard_map and pmap steps (jaxperf.train.explicit) give the single-device jit numbers, store what
+they say they store, refuse what they cannot run before compiling, and drive the Trainer and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, get_config, validate
+from jaxperf.models import GPT
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel.rules import get_rules
+from jaxperf.train.explicit import build_train_step
+from jaxperf.train.optimizer import make_optimizer
+from jaxperf.train.step import Task, decay_mask, next_token_loss
+from jaxperf.train.trainer import Trainer
+
+# 2 scanned layers, 4 heads of 8, mlp 128, vocab 256, fp32 for tight comparisons.
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+BATCH, SEQ, STEPS = 16, 16, 2
+OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, decay_steps=10, eps=1e-3)  # eps: see tests/test_parallel.py
+
+# Global shapes: embed (256, 32), pos (16, 32), norms (32,) / (2, 32), wq/wk/wv (2, 32, 4, 8), wo (2, 4, 8, 32),
+# bias_q/k/v (2, 4, 8), bias_o (2, 32), w_in (2, 32, 128), bias_in (2, 128), w_out (2, 128, 32), bias_out (2, 32).
+# Shard shape per device, by hand from the fsdp rule table (each weight's embed dim over `fsdp`; the data axis
+# replicates): the same placement as the jit fsdp strategy, so checkpoints move between flavours unchanged.
+SHARD_SHAPES = {
+    #                             replicated       fsdp=8          data=2 x fsdp=4
+    "embed_VxD": [(256, 32), (256, 4), (256, 8)],
+    "pos_LxD": [(16, 32), (16, 4), (16, 8)],
+    "final_norm/scale": [(32,), (4,), (8,)],
+    "final_norm/bias": [(32,), (4,), (8,)],
+    "blocks/attn_norm/scale": [(2, 32), (2, 4), (2, 8)],
+    "blocks/attn_norm/bias": [(2, 32), (2, 4), (2, 8)],
+    "blocks/mlp_norm/scale": [(2, 32), (2, 4), (2, 8)],
+    "blocks/mlp_norm/bias": [(2, 32), (2, 4), (2, 8)],
+    "blocks/attn/wq_DxHxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
+    "blocks/attn/wk_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
+    "blocks/attn/wv_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
+    "blocks/attn/wo_HxDhxD": [(2, 4, 8, 32), (2, 4, 8, 4), (2, 4, 8, 8)],
+    "blocks/attn/bias_q_HxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],  # no embed dim: whole, gradient psummed
+    "blocks/attn/bias_k_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],
+    "blocks/attn/bias_v_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],
+    "blocks/attn/bias_o_D": [(2, 32), (2, 4), (2, 8)],
+    "blocks/mlp/w_in_DxF": [(2, 32, 128), (2, 4, 128), (2, 8, 128)],
+    "blocks/mlp/bias_in_F": [(2, 128), (2, 128), (2, 128)],
+    "blocks/mlp/w_out_FxD": [(2, 128, 32), (2, 128, 4), (2, 128, 8)],
+    "blocks/mlp/bias_out_D": [(2, 32), (2, 4), (2, 8)],
+}
+REPLICATED, FSDP8, HSDP = 0, 1, 2
+
+# (flavour, strategy, mesh, microbatches, column of SHARD_SHAPES)
+CASES = {
+    "shard_map-dp-data2xfsdp4-micro2": ("shard_map", "dp", dict(data=2, fsdp=4), 2, REPLICATED),
+    "shard_map-fsdp": ("shard_map", "fsdp", dict(data=1, fsdp=8), 1, FSDP8),
+    "shard_map-fsdp-data2xfsdp4-micro2": ("shard_map", "fsdp", dict(data=2, fsdp=4), 2, HSDP),
+    "pmap-dp": ("pmap", "dp", dict(data=8, fsdp=1), 1, REPLICATED),
+}
+
+
+def _flat(tree) -> dict[str, jax.Array]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = leaf
+    return out
+
+
+def _batches(n: int):
+    # A ragged mask: devices and microbatches hold different token counts, so a plain mean of per-device means
+    # would not be the big-batch gradient.
+    rng = np.random.default_rng(1)
+    return [
+        {
+            "inputs": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
+            "targets": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
+            "mask": (rng.random((BATCH, SEQ)) > 0.3).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def _task(strategy: str, mesh_kw: dict, devices=None, model=MODEL) -> tuple[Task, object]:
+    mesh = make_mesh(ParallelConfig(strategy=strategy, **mesh_kw), devices)
+    rules = get_rules(strategy, mesh)
+    make = lambda rngs: GPT(model, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None)
+    tx, sched = make_optimizer(OPTIM, 10, decay_mask(probe.param_axes, probe.abstract_params))
+    return Task.create(make, mesh, rules, tx), sched
+
+
+def _run(flavour, strategy, mesh_kw, microbatches=1, devices=None):
+    """STEPS steps; returns (state in the flavour's own layout, state as the jit step lays it out, losses, params
+    after each step)."""
+    task, sched = _task(strategy, mesh_kw, devices)
+    step = build_train_step(task, next_token_loss, flavour, microbatches=microbatches, schedule=sched)
+    state = step.to_step(task.init_state())
+    losses, history = [], []
+    for batch in _batches(STEPS):
+        state, metrics = step(state, jax.device_put(batch, task.batch_sharding()))
+        losses.append(float(metrics["loss"]))
+        history.append(jax.device_get(step.from_step(state).params))
+    return state, step.from_step(state), losses, history
+
+
+@pytest.fixture(scope="module")
+def single_device():
+    _, state, losses, history = _run("jit", "dp", dict(data=1, fsdp=1, tensor=1), devices=jax.devices()[:1])
+    return state, losses, history
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_flavour_matches_single_device_jit(name, single_device):
+    flavour, strategy, mesh_kw, micro, col = CASES[name]
+    own, state, losses, history = _run(flavour, strategy, mesh_kw, micro)
+    _, ref_losses, ref_history = single_device
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{name}: losses")
+    for n in range(STEPS):
+        ref = _flat(ref_history[n])
+        for path, leaf in _flat(history[n]).items():
+            np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=f"{name}: {path} after {n + 1}")
+
+    # What each device stores, parameters and Adam moments alike.
+    adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = chain(scale_by_adam, ...) -> ScaleByAdamState
+    params = _flat(state.params)
+    assert set(params) == set(SHARD_SHAPES), set(params) ^ set(SHARD_SHAPES)
+    for label, tree in (("param", params), ("mu", _flat(adam.mu)), ("nu", _flat(adam.nu))):
+        for path, leaf in tree.items():
+            shard = leaf.addressable_shards[0].data.shape
+            want = SHARD_SHAPES[path][col]
+            assert shard == want, f"{name}: {label} {path} shard {shard} != {want}"
+
+    if strategy == "fsdp":  # the jit fsdp placement (so the literal shapes above say the same for both flavours)
+        task, _ = _task(strategy, mesh_kw)
+        for path, leaf in params.items():
+            assert leaf.sharding.is_equivalent_to(_flat(task.param_shardings)[path], leaf.ndim), path
+
+    if flavour == "pmap":  # inside, a leading device axis of 8 whole replicas, one per device, all equal
+        for path, leaf in _flat(own.params).items():
+            whole = SHARD_SHAPES[path][REPLICATED]
+            assert leaf.shape == (8, *whole), (path, leaf.shape)
+            assert leaf.addressable_shards[0].data.shape == (1, *whole), path
+            replicas = np.asarray(leaf)
+            np.testing.assert_array_equal(replicas, np.broadcast_to(replicas[:1], replicas.shape), err_msg=path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors before compiling
+
+_COMPILES: list[str] = []
+
+
+def _count_compiles(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+class _Rows:
+    """Training data that is never read: the tests below must fail before the first batch."""
+
+    def batch(self, step, batch_size, *, rows=None):  # pragma: no cover - must not be reached
+        raise AssertionError("a batch was requested before the config error")
+
+
+def test_bad_flavour_name_is_a_config_error():
+    cfg = get_config("tiny", ["parallel.flavour=shardmap", "parallel.strategy=dp"])
+    with pytest.raises(ConfigError, match=r"unknown parallel.flavour 'shardmap'; choose one of jit, shard_map, pmap"):
+        validate(cfg, 8)
+    before = len(_COMPILES)
+    with pytest.raises(ConfigError, match="Did you mean 'shard_map'"):
+        Trainer(cfg, train_data=_Rows())
+    task, _ = _task("dp", dict(data=8, fsdp=1))
+    with pytest.raises(ConfigError, match="choose one of jit, shard_map, pmap"):
+        build_train_step(task, next_token_loss, "vmap")
+    assert len(_COMPILES) == before
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["flavour=shard_map", "strategy=tp", "fsdp=1", "tensor=8"],
+     r"parallel.flavour=shard_map supports parallel.strategy dp and fsdp, not 'tp': use parallel.flavour=jit for tp"),
+    (["flavour=shard_map", "strategy=fsdp_tp", "fsdp=4", "tensor=2"], r"use parallel.flavour=jit for fsdp_tp"),
+    (["flavour=pmap", "strategy=fsdp", "fsdp=8"],
+     r"parallel.flavour=pmap supports parallel.strategy dp, not 'fsdp': use parallel.flavour=jit or "
+     r"parallel.flavour=shard_map for fsdp"),
+])
+def test_unsupported_flavour_and_strategy_is_a_config_error(overrides, message):
+    before = len(_COMPILES)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(get_config("tiny", overrides), train_data=_Rows())
+    assert len(_COMPILES) == before
+
+
+def test_step_builder_checks_the_rule_table_itself():
+    """Without the config (research code building steps directly) the rule table is judged: tp splits weights over
+    `tensor`, which shard_map here does not handle, and pmap wants every parameter whole."""
+    before = len(_COMPILES)
+    tp, _ = _task("tp", dict(data=2, fsdp=1, tensor=4))
+    with pytest.raises(ConfigError, match=r"splits parameter .* over tensor.*use parallel.flavour=jit"):
+        build_train_step(tp, next_token_loss, "shard_map")
+    fsdp, _ = _task("fsdp", dict(data=1, fsdp=8))
+    with pytest.raises(ConfigError, match=r"flavour=pmap keeps a whole copy .* shards 16 of them"):
+        build_train_step(fsdp, next_token_loss, "pmap")
+    assert len(_COMPILES) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Trainer and the CLI
+
+
+class _FixedBatches:
+    """The parity tests' batches, served through the Trainer's data interface."""
+
+    def __init__(self):
+        self.batches = _batches(STEPS)
+
+    def batch(self, step, batch_size, *, rows=None):
+        assert batch_size == BATCH
+        b = self.batches[step % STEPS]  # the prefetcher reads a little past max_steps
+        return {k: v[rows] if rows is not None else v for k, v in b.items()}
+
+
+def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path, single_device):
+    common = ["strategy=dp", "data=8", "fsdp=1", f"batch_size={BATCH}", f"max_steps={STEPS}", "lr=1e-3",
+              "warmup_steps=0", "decay_steps=10", "eps=1e-3", "eval_every=0", "eval_batches=0", "checkpoint_every=0",
+              "sample_tokens=0", "tensorboard=false", "log_every=1", "compile_cache_dir=", f"run_dir={tmp_path}"]
+    make = lambda rngs: GPT(MODEL, rngs=rngs)  # noqa: E731
+    trainer = Trainer(get_config("tiny", ["flavour=pmap", *common]), make_model=make, train_data=_FixedBatches())
+    summary = trainer.fit()
+    ref_state, ref_losses, _ = single_device
+    np.testing.assert_allclose([summary["losses"][i] for i in range(STEPS)], ref_losses, rtol=1e-5)
+    state = summary["state"]  # back in the usual layout: whole arrays replicated over the mesh
+    wq = state.params["blocks"]["attn"]["wq_DxHxDh"]
+    assert wq.shape == (2, 32, 4, 8) and wq.addressable_shards[0].data.shape == (2, 32, 4, 8)
+    ref = _flat(ref_state.params)
+    for path, leaf in _flat(state.params).items():
+        np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
+
+    # The checkpoint pmap wrote resumes in a jit run on another mesh.
+    from jaxperf.train.checkpoint import Checkpointer
+
+    again = Trainer(get_config("tiny", ["flavour=jit", *common, "strategy=fsdp", "data=1", "fsdp=8"]),
+                    make_model=make, train_data=_FixedBatches())
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        restored, start = again.init_or_restore(ckpt)
+    assert start == STEPS
+    emb = restored.params["embed_VxD"]
+    assert emb.addressable_shards[0].data.shape == (256, 4)
+    np.testing.assert_array_equal(np.asarray(emb), np.asarray(state.params["embed_VxD"]))
+
+
+SMALL_RUN = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
+    "data.max_bytes=300000", "optim.decay_steps=6", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
+    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
+]
+
+
+def test_cli_train_with_shard_map_flavour(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxperf.cli", "train", *SMALL_RUN, "max_steps=3", "parallel.flavour=shard_map",
+         "run_dir=run"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "strategy fsdp, flavour shard_map, mesh data=1 fsdp=4 tensor=1" in out.stdout, out.stdout
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
+    assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values()))), losses
+    assert 5.0 < losses[1] < 6.0, losses  # ~ln(256) at initialisation
+    assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
