@@ -4,6 +4,8 @@ from jaxperf.parallel.collectives import (
     ALL_REDUCES, LinkModel, all_gather_matmul, bidirectional_ring_all_reduce, bus_bandwidth, fit_link,
     halving_doubling_all_reduce, matmul_reduce_scatter, predict, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
 )
+from jaxperf.parallel.pipeline import bubble_fraction, gpipe, pipeline_loss
+from jaxperf.parallel.ring_attention import ring_attention, ring_attention_sharded
 from jaxperf.parallel.mesh import MESH_AXES, describe, make_mesh, mesh_shape
 from jaxperf.parallel.rules import STRATEGIES, Rules, activation_sharding, constrain, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, check_sharding, tree_shardings
@@ -15,4 +17,6 @@ __all__ = [
     "ALL_REDUCES", "LinkModel", "all_gather_matmul", "bidirectional_ring_all_reduce", "bus_bandwidth", "fit_link",
     "halving_doubling_all_reduce", "matmul_reduce_scatter", "predict", "ring_all_gather", "ring_all_reduce",
     "ring_reduce_scatter",
+    # pipeline and sequence parallelism
+    "bubble_fraction", "gpipe", "pipeline_loss", "ring_attention", "ring_attention_sharded",
 ]
