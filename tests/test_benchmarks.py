@@ -131,6 +131,22 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
         assert (tmp_path / "collectives.png").stat().st_size > 0
 
 
+def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
+    recs = load("parallel").main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
+    pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "pmap/dp"]
+    check_records(recs, "parallel", pairs)
+    assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
+    by_name = {r["name"]: r for r in recs}
+    assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+    assert by_name["jit/tp"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
+    losses = {r["loss"] for r in recs}
+    assert max(losses) - min(losses) < 1e-3 * max(losses)  # the same first step, however it is written
+    for r in recs:
+        assert r["value"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s"])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "parallel.png").stat().st_size > 0
+
+
 def test_generate_tiny_checks_then_times_prefill_and_decode():
     recs = load("generate").main(["--tiny"])
     check_records(recs, "generate", ["prefill_b1", "decode_b1", "prefill_b4", "decode_b4"])

@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "train": "bench_train.py",
     "kernels": "bench_kernels.py",
     "collectives": "bench_collectives.py",
+    "parallel": "bench_parallel.py",
     "generate": "bench_generate.py",
 }
 

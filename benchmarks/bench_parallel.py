@@ -1,0 +1,161 @@
+"""Step time per parallelism strategy and step flavour on the devices at hand. JSON lines and a PNG bar chart.
+
+    python benchmarks/bench_parallel.py                 # the tiny preset on every visible device
+    python benchmarks/bench_parallel.py --tiny          # a smaller model and fewer steps (CI)
+    JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_parallel.py --tiny
+
+Every supported (flavour, strategy) pair is built from the same preset on the same devices: jit with dp, fsdp, tp and
+fsdp_tp (tensor = 2 where the heads divide), shard_map with dp and fsdp, pmap with dp. Before timing, the first step's
+loss of each pair is checked against the jit dp step on the same batch (all start from the same parameters), so a pair
+that computes something else is refused, not timed. Value: tokens/s (median over the timed steps, each blocked on),
+with the step time and MFU (tokens/s x FLOPs/token over devices x per-device peak) as % of peak. With one device every
+pair runs unsplit and the figures say what the flavours cost in overhead alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import check_close, emit, peak_flops, record  # noqa: E402
+
+NAME = "parallel"
+TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
+
+
+def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
+    """(flavour, strategy, mesh overrides) for every pair that runs on n devices."""
+    out = [("jit", "dp", ["data=-1", "fsdp=1"]), ("jit", "fsdp", ["fsdp=-1"])]
+    tensor = max(t for t in (1, 2, 4, 8) if n_devices % t == 0 and n_heads % t == 0)
+    out.append(("jit", "tp", [f"tensor={tensor}", "data=-1", "fsdp=1"]))
+    if n_devices % 2 == 0 and n_heads % 2 == 0:
+        out.append(("jit", "fsdp_tp", ["tensor=2", "fsdp=-1"]))
+    out += [("shard_map", "dp", ["data=-1", "fsdp=1"]), ("shard_map", "fsdp", ["fsdp=-1"]),
+            ("pmap", "dp", ["data=-1", "fsdp=1"])]
+    return out
+
+
+def build(preset: str, overrides: list[str], seed: int = 0):
+    from jaxperf.config import get_config, validate
+    from jaxperf.models import GPT
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.parallel.rules import get_rules
+    from jaxperf.train.explicit import build_train_step
+    from jaxperf.train.optimizer import make_optimizer
+    from jaxperf.train.step import Task, decay_mask, next_token_loss
+
+    cfg = get_config(preset, overrides)
+    validate(cfg, jax.device_count())
+    mesh = make_mesh(cfg.parallel)
+    rules = get_rules(cfg.parallel.strategy, mesh)
+    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
+    probe = Task.create(make, mesh, rules, None, seed=seed)
+    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
+    task = Task.create(make, mesh, rules, tx, seed=seed)
+    step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
+                            schedule=schedule)
+    B, L = cfg.batch_size, cfg.train_seq_len
+    tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
+    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((B, L), np.float32)},
+                           task.batch_sharding())
+    return step, step.to_step(task.init_state()), batch, cfg
+
+
+def plot(records: list[dict], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    timed = [r for r in records if r.get("unit") == "tokens/s"]
+    if not timed:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh([r["name"] for r in timed], [r["value"] for r in timed], color="tab:blue")
+    ax.set_xlabel("tokens/s (higher is better)")
+    ax.set_title(f"train step by flavour/strategy: {timed[0]['n_devices']} x {timed[0]['device']}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--tiny", action="store_true", help="a smaller model and fewer steps")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per pair (default 10, 3 with --tiny)")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the PNG")
+    p.add_argument("overrides", nargs="*", help="config key=value for every pair")
+    a = p.parse_args(argv)
+    from jaxperf.perf.flops import flops_per_token
+
+    overrides = list(a.overrides)
+    if a.tiny:
+        overrides = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+                     "batch_size=16", *overrides]
+    steps = a.steps or (3 if a.tiny else 10)
+    n = jax.device_count()
+    from jaxperf.config import get_config
+
+    base = get_config(a.preset, overrides)
+    records, reference = [], None
+    for flavour, strategy, mesh in pairs(n, base.model.n_heads):
+        name = f"{flavour}/{strategy}"
+        try:
+            step, state, batch, cfg = build(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
+                                                       f"parallel.flavour={flavour}"])
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            loss = float(jax.device_get(metrics["loss"]))
+            first_s = time.perf_counter() - t0
+            if reference is None:
+                reference = loss
+            check_close(name, np.float32(loss), np.float32(reference), rtol=1e-4, atol=1e-5)
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                state, metrics = step(state, batch)
+                jax.block_until_ready(metrics)
+                times.append(time.perf_counter() - t0)
+        except Exception as e:  # one pair failing must not hide the others
+            records.append(emit(record(NAME, name, None, None, error=f"{type(e).__name__}: {e}")))
+            continue
+        dt = statistics.median(times)
+        tokens = cfg.batch_size * cfg.train_seq_len
+        peak, src = peak_flops(cfg.model.dtype)
+        fpt = flops_per_token(cfg.model, cfg.train_seq_len)
+        mesh_shape = {k: int(v) for k, v in step_mesh(cfg).items()}
+        records.append(emit(record(
+            NAME, name, tokens / dt, "tokens/s", value_per_s=tokens / dt * fpt, peak_per_s=peak * n,
+            step_s=dt, step_s_p10=float(np.percentile(times, 10)), step_s_p90=float(np.percentile(times, 90)),
+            first_step_s=first_s, loss=loss, flavour=flavour, strategy=strategy, mesh=mesh_shape,
+            batch=cfg.batch_size, seq_len=cfg.train_seq_len, steps=steps, peak_source=src, preset=a.preset,
+            tiny=a.tiny)))
+    png = plot(records, Path(a.out) / "parallel.png")
+    if png:
+        print(f"wrote {png}", file=sys.stderr)
+    return records
+
+
+def step_mesh(cfg) -> dict[str, int]:
+    from jaxperf.parallel.mesh import mesh_shape
+
+    return mesh_shape(cfg.parallel, jax.device_count())
+
+
+if __name__ == "__main__":
+    main()
