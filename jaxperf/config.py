@@ -100,6 +100,9 @@ class ParallelConfig:
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
+    # Slices of a multi-slice TPU job (or any groups of devices joined by a slower network, DCN): the `data` axis
+    # spans them, so only the gradient all-reduce crosses DCN; data/fsdp/tensor above describe one slice.
+    dcn_data: int = 1
     flavour: str = "jit"  # how the step is written: jit (GSPMD) | shard_map | pmap (see jaxperf.train.explicit)
 
 

@@ -162,3 +162,18 @@ def test_activation_constraints_follow_rules():
     out = jax.jit(hidden_mlp)(jnp.zeros((4, 16), jnp.int32))
     # logits carry ("batch", "seq", "vocab"): batch over data (2), vocab over tensor (4)
     assert out.addressable_shards[0].data.shape == (2, 16, 64)
+
+
+def test_dcn_data_multiplies_the_data_axis_and_needs_real_slices():
+    from jaxperf.config import ConfigError, ParallelConfig
+    from jaxperf.parallel.mesh import make_mesh, mesh_shape
+
+    assert mesh_shape(ParallelConfig(fsdp=-1, dcn_data=2), 8) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert mesh_shape(ParallelConfig(strategy="fsdp_tp", fsdp=-1, tensor=2, dcn_data=4), 16) == \
+        {"data": 4, "fsdp": 2, "tensor": 2}
+    with pytest.raises(ConfigError, match="dcn_data=3 slices do not split the 8 devices"):
+        mesh_shape(ParallelConfig(dcn_data=3), 8)
+    with pytest.raises(ConfigError, match="must be >= 1"):
+        mesh_shape(ParallelConfig(dcn_data=0), 8)
+    with pytest.raises(ConfigError, match="needs devices from 2 slices.*no slice_index"):
+        make_mesh(ParallelConfig(fsdp=-1, dcn_data=2))  # CPU devices belong to no slice

@@ -50,6 +50,18 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     assert rd["bytes_per_chip"]["arguments"] > 2 * b["arguments"], (rd["bytes_per_chip"], b)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install 'jax[tpu]', or set "
+                                            "JAXPERF_LIBTPU_PATH to a directory holding it)")
+def test_compile_for_two_slices_keeps_fsdp_inside_a_slice():
+    out = _compile(["--topology", "v5p:2x2x1", "--slices", "2", "--json", "model.d_model=128", "model.n_layers=2",
+                    "model.n_heads=4", "batch_size=16"], libtpu=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["chips"] == 8 and r["slices"] == 2 and r["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert r["slices_per_data_index"] == [[0], [1]]  # each fsdp group is one slice; only data crosses DCN
+
+
 @pytest.mark.skipif(HAVE_LIBTPU, reason="libtpu is installed here; the missing-libtpu message cannot be seen")
 def test_compile_without_libtpu_says_how_to_install_it():
     out = _compile(["--topology", "v5p:2x2x1"], libtpu=False, timeout=120)

@@ -1,7 +1,14 @@
-"""The device mesh: axes `data`, `fsdp`, `tensor` with sizes from config (-1 = the rest of the devices)."""
+"""The device mesh: axes `data`, `fsdp`, `tensor` with sizes from config (-1 = the rest of the devices).
+
+With `parallel.dcn_data = S > 1` (a multi-slice TPU job: S slices joined by the data-center network) the sizes
+describe one slice and the `data` axis is S times longer, slice-major: `fsdp` and `tensor` collectives stay inside a
+slice on the fast interconnect (ICI) and only the data-parallel gradient reduction crosses slices. The device grid
+comes from JAX's hybrid mesh builder, which groups devices by their `slice_index`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -14,7 +21,20 @@ MESH_AXES = ("data", "fsdp", "tensor")
 
 
 def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
-    """Resolve the axis sizes (one may be -1) against a device count, or raise ConfigError with the fix."""
+    """Resolve the axis sizes (one may be -1) against a device count, or raise ConfigError with the fix.
+
+    With dcn_data = S > 1 the sizes are resolved against num_devices / S devices (one slice) and `data` is then
+    multiplied by S.
+    """
+    slices = int(getattr(parallel, "dcn_data", 1))
+    if slices < 1:
+        raise ConfigError(f"parallel.dcn_data={slices} must be >= 1 (the number of slices)")
+    if slices > 1:
+        if num_devices % slices:
+            raise ConfigError(f"parallel.dcn_data={slices} slices do not split the {num_devices} devices evenly: use "
+                              f"a divisor of {num_devices}")
+        sizes = mesh_shape(dataclasses.replace(parallel, dcn_data=1), num_devices // slices)
+        return {**sizes, "data": sizes["data"] * slices}
     sizes = {a: int(getattr(parallel, a)) for a in MESH_AXES}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
@@ -48,9 +68,27 @@ def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None)
     sizes = mesh_shape(parallel, len(devices))
     n = math.prod(sizes.values())
     shape = tuple(sizes[a] for a in MESH_AXES)
+    slices = int(getattr(parallel, "dcn_data", 1))
+    if slices > 1:
+        return _hybrid_mesh(shape, slices, devices[:n] if n < len(devices) else devices)
     if n == len(jax.devices()) and devices == list(jax.devices()):
         return _compat.make_mesh(shape, MESH_AXES)
     return _compat.make_mesh(shape, MESH_AXES, devices=devices[:n])
+
+
+def _hybrid_mesh(shape: tuple[int, ...], slices: int, devices: list) -> Mesh:
+    """data x fsdp x tensor with `data` split as (slices x per-slice data), devices grouped by slice_index."""
+    from jax.experimental import mesh_utils
+
+    found = sorted({getattr(d, "slice_index", None) for d in devices}, key=str)
+    if None in found or len(found) != slices:
+        raise ConfigError(
+            f"parallel.dcn_data={slices} needs devices from {slices} slices, but these devices come from "
+            f"{'no slice (they have no slice_index)' if None in found else f'{len(found)} slice(s)'}: use "
+            f"dcn_data=1 on a single slice, or set it to the number of slices of the job")
+    ici = (shape[0] // slices, *shape[1:])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+    return _compat.make_mesh(shape, MESH_AXES, devices=list(grid.flat))
 
 
 def describe(mesh: Mesh) -> str:

@@ -28,8 +28,9 @@ class TopologyError(RuntimeError):
     """The topology cannot be described here (no libtpu, or an unknown name)."""
 
 
-def topology_devices(topology: str) -> list:
-    """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2", from libtpu (no TPU needed)."""
+def topology_devices(topology: str, slices: int = 1) -> list:
+    """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2" (or of `slices` such slices), from
+    libtpu (no TPU needed)."""
     try:
         from jax.experimental import topologies
     except ImportError as e:  # pragma: no cover - every supported jax has it
@@ -42,14 +43,20 @@ def topology_devices(topology: str) -> list:
         raise TopologyError(f"describing {topology!r} needs libtpu, which is not installed: pip install 'jax[tpu]' "
                             "(the version matching your jax), then retry; no TPU is needed")
     try:
-        desc = topologies.get_topology_desc(topology, platform="tpu")
+        kwargs = {"num_slices": slices} if slices > 1 else {}
+        desc = topologies.get_topology_desc(topology, platform="tpu", **kwargs)
     except Exception as e:
         raise TopologyError(f"cannot describe {topology!r}: {e}") from None
     return list(desc.devices)
 
 
-def compile_for_topology(cfg, topology: str) -> dict[str, Any]:
-    """Compile cfg's train step for every chip of `topology`; returns a report (see `format_report`)."""
+def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
+    """Compile cfg's train step for every chip of `topology` (times `slices`); returns a report (`format_report`).
+
+    With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`).
+    """
+    import dataclasses
+
     from jaxperf.config import validate
     from jaxperf.models import GPT
     from jaxperf.parallel.mesh import make_mesh, mesh_shape
@@ -60,7 +67,11 @@ def compile_for_topology(cfg, topology: str) -> dict[str, Any]:
     from jaxperf.train.optimizer import make_optimizer
     from jaxperf.train.step import Task, decay_mask, next_token_loss
 
-    devices = topology_devices(topology)
+    if slices < 1:
+        raise TopologyError(f"--slices {slices} must be >= 1")
+    if slices > 1:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dcn_data=slices))
+    devices = topology_devices(topology, slices)
     shape = mesh_shape(cfg.parallel, len(devices))
     validate(cfg, len(devices), shape)
     mesh = make_mesh(cfg.parallel, devices)
@@ -98,8 +109,11 @@ def compile_for_topology(cfg, topology: str) -> dict[str, Any]:
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
     est = estimate(cfg, shape)
     report = {
-        "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
-        "mesh": {a: int(n) for a, n in mesh.shape.items()}, "strategy": cfg.parallel.strategy,
+        "topology": topology, "slices": slices, "chips": len(devices), "device_kind": devices[0].device_kind,
+        "mesh": {a: int(n) for a, n in mesh.shape.items()},
+        # the slice(s) each index of the data axis lives on: one slice per index when fsdp/tensor stay inside a slice
+        "slices_per_data_index": [sorted({int(getattr(d, "slice_index", 0)) for d in row.flat})
+                                  for row in mesh.devices], "strategy": cfg.parallel.strategy,
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
                            "total": total},
@@ -117,8 +131,9 @@ def compile_for_topology(cfg, topology: str) -> dict[str, Any]:
 def format_report(r: dict[str, Any]) -> str:
     b = r["bytes_per_chip"]
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items())
+    where = f" x {r['slices']} slices" if r.get("slices", 1) > 1 else ""
     lines = [
-        f"{r['topology']}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
+        f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
@@ -150,13 +165,14 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Compile a run's train step for a TPU slice on this machine and report "
                                             "memory and FLOPs per chip (needs libtpu: pip install 'jax[tpu]').")
     p.add_argument("--topology", required=True, help="chip:shape, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2")
+    p.add_argument("--slices", type=int, default=1, help="slices of a multi-slice job (data parallel across them)")
     p.add_argument("--preset", default=None)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     try:
         cfg = get_config(args.preset, args.overrides)
-        report = compile_for_topology(cfg, args.topology)
+        report = compile_for_topology(cfg, args.topology, args.slices)
     except (ConfigError, TopologyError) as e:
         print(f"jaxperf compile: {e}", file=sys.stderr)
         return 2
