@@ -61,8 +61,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cfg = get_config(args.preset, tiny + list(args.overrides))
     mcfg = validate_model(cfg.model)
     batch_sizes = [int(b) for b in (args.batch_sizes or ("1,4" if args.tiny else "1,8,32")).split(",")]
-    prompt_len = args.prompt_len or (16 if args.tiny else 128)
-    max_tokens = args.max_tokens or (32 if args.tiny else 128)
+    # Defaults fit the model's context: a quarter of it for the prompt, up to 128 new tokens in the rest.
+    prompt_len = args.prompt_len or (16 if args.tiny else min(128, mcfg.max_seq_len // 4))
+    max_tokens = args.max_tokens or (32 if args.tiny else min(128, mcfg.max_seq_len - prompt_len))
+    if prompt_len + max_tokens > mcfg.max_seq_len:
+        parser.error(f"--prompt-len {prompt_len} + --max-tokens {max_tokens} exceed model.max_seq_len="
+                     f"{mcfg.max_seq_len}: every row must be able to produce all its tokens for the figures to hold")
     repeats = args.repeats or (3 if args.tiny else 5)
 
     model = GPT(mcfg, rngs=nnx.Rngs(0))
