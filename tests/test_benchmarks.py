@@ -155,7 +155,7 @@ def test_generate_tiny_checks_then_times_prefill_and_decode():
         d = by_name[f"decode_b{b}"]
         assert d["unit"] == "tokens/s" and d["value"] == pytest.approx(b * d["max_tokens"] / d["decode_s"])
         # % of the bandwidth limit is the floor over the measured step
-        assert d["pct_of_peak"] == pytest.approx(100 * d["bandwidth_floor_s"] / d["step_s"], rel=1e-2)
+        assert d["pct_of_peak"] == pytest.approx(100 * d["bandwidth_floor_s"] / d["step_s"], rel=1e-2, abs=6e-4)  # rounded to 3 decimals
 
 
 def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeypatch):
