@@ -108,8 +108,9 @@ def check_close(name: str, got, want, rtol: float = 1e-4, atol: float = 1e-5) ->
 def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *, donate: bool = True, seed: int = 0):
     """The jaxperf train step of a preset, its initial state and one random batch (tokens do not change the cost).
 
-    Returns (step, state, batch, cfg); `step` is the jitted `(state, batch) -> (state, metrics)` from
-    jaxperf.train.step.Task, over all visible devices with the preset's strategy.
+    Returns (step, state, batch, cfg); `step` is `(state, batch) -> (state, metrics)` over all visible devices with
+    the preset's strategy: the jitted Task step for `parallel.flavour=jit`, else the flavour's step from
+    jaxperf.train.explicit (with `state` already in its layout).
     """
     import numpy as np
 
@@ -128,10 +129,18 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
     probe = Task.create(make, mesh, rules, None, seed=seed)
     tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
     task = Task.create(make, mesh, rules, tx, seed=seed)
-    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule, donate=donate)
+    if cfg.parallel.flavour == "jit":
+        step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule, donate=donate)
+        state = task.init_state()
+    else:
+        from jaxperf.train.explicit import build_train_step
+
+        step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
+                                schedule=schedule, donate=donate)
+        state = step.to_step(task.init_state())
     B, L = cfg.batch_size, cfg.train_seq_len
     tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
     batch = jax.device_put(
         {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((B, L), np.float32)}, task.batch_sharding()
     )
-    return step, task.init_state(), batch, cfg
+    return step, state, batch, cfg

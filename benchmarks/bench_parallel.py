@@ -26,7 +26,7 @@ import numpy as np
 if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import check_close, emit, peak_flops, record  # noqa: E402
+from _common import check_close, emit, make_train_step, peak_flops, record  # noqa: E402
 
 NAME = "parallel"
 TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
@@ -42,32 +42,6 @@ def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
     out += [("shard_map", "dp", ["data=-1", "fsdp=1"]), ("shard_map", "fsdp", ["fsdp=-1"]),
             ("pmap", "dp", ["data=-1", "fsdp=1"])]
     return out
-
-
-def build(preset: str, overrides: list[str], seed: int = 0):
-    from jaxperf.config import get_config, validate
-    from jaxperf.models import GPT
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.explicit import build_train_step
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, decay_mask, next_token_loss
-
-    cfg = get_config(preset, overrides)
-    validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.parallel)
-    rules = get_rules(cfg.parallel.strategy, mesh)
-    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None, seed=seed)
-    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx, seed=seed)
-    step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
-                            schedule=schedule)
-    B, L = cfg.batch_size, cfg.train_seq_len
-    tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
-    batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((B, L), np.float32)},
-                           task.batch_sharding())
-    return step, step.to_step(task.init_state()), batch, cfg
 
 
 def plot(records: list[dict], path: Path) -> str | None:
@@ -116,8 +90,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for flavour, strategy, mesh in pairs(n, base.model.n_heads):
         name = f"{flavour}/{strategy}"
         try:
-            step, state, batch, cfg = build(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
-                                                       f"parallel.flavour={flavour}"])
+            step, state, batch, cfg = make_train_step(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
+                                                                 f"parallel.flavour={flavour}"])
             t0 = time.perf_counter()
             state, metrics = step(state, batch)
             loss = float(jax.device_get(metrics["loss"]))

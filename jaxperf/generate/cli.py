@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxperf.generate.engine import Generator
+    from jaxperf.generate.engine import Generator, TextStream
     from jaxperf.generate.sampling import check_settings
 
     try:
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     gen = Generator.from_checkpoint(args.checkpoint)
     print(args.prompt, end="", flush=True)
-    ids: list[int] = []
-    printed = 0
+    text = TextStream(gen.tokenizer)
     stream = gen.stream([args.prompt], args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, seed=args.seed, chunk=args.chunk)
     while True:
@@ -44,13 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         except StopIteration as e:
             result = e.value
             break
-        ids.extend(new[0])
-        text = gen.tokenizer.decode(ids)
-        ready = len(text.rstrip("\ufffd"))  # hold back a character whose bytes have not all arrived
-        print(text[printed:ready], end="", flush=True)
-        printed = max(printed, ready)
-    text = gen.tokenizer.decode(ids)
-    print(text[printed:], flush=True)
+        print(text.push(new[0]), end="", flush=True)
+    print(text.finish(), flush=True)
     print(f"[{result.prefill_tokens} prompt tokens at {result.prefill_tokens_per_s:,.0f} tok/s, "
           f"{result.decode_tokens} new tokens at {result.decode_tokens_per_s:,.0f} tok/s, "
           f"compile {result.compile_s:.1f} s, finish: {result[0].finish_reason}]", flush=True)

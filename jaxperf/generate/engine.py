@@ -392,6 +392,25 @@ class Generator:
                 return e.value
 
 
+class TextStream:
+    """Turns a growing list of token ids into text pieces, holding back a character whose bytes are incomplete."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        ready = len(text.rstrip("\ufffd"))
+        piece, self.sent = text[self.sent:ready], max(self.sent, ready)
+        return piece
+
+    def finish(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        piece, self.sent = text[self.sent:], len(text)
+        return piece
+
+
 def _tokenizer_for(cfg):
     """The tokenizer a run was trained with (byte, or the BPE from its file or cache)."""
     import os
@@ -406,4 +425,4 @@ def _tokenizer_for(cfg):
                          cache_dir=os.path.expanduser(d.cache_dir), cache_key=source_fingerprint(d.source, d.max_bytes))
 
 
-__all__ = ["Generation", "GenerationBatch", "Generator", "cache_shape", "cache_sharding"]
+__all__ = ["Generation", "GenerationBatch", "Generator", "TextStream", "cache_shape", "cache_sharding"]

@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxperf.generate.engine import TextStream
+
 FIELDS = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream"}
 
 
@@ -143,25 +145,6 @@ class Metrics:
                     "queue_depth": queue_depth}
 
 
-class _TextStream:
-    """Turns a growing list of token ids into text pieces, holding back a character whose bytes are incomplete."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
-
-    def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids)
-        ready = len(text.rstrip("\ufffd"))
-        piece, self.sent = text[self.sent:ready], max(self.sent, ready)
-        return piece
-
-    def finish(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        piece, self.sent = text[self.sent:], len(text)
-        return piece
-
-
 class Batcher:
     """Owns the Generator on one thread and runs waiting requests together (see the module docstring)."""
 
@@ -235,7 +218,7 @@ class Batcher:
 
     def _serve(self, batch: list[Request]) -> None:
         started = time.perf_counter()
-        texts = [_TextStream(self.gen.tokenizer) for _ in batch]
+        texts = [TextStream(self.gen.tokenizer) for _ in batch]
         stream = self.gen.stream([r.prompt_ids for r in batch], [r.max_tokens for r in batch],
                                  temperature=[r.temperature for r in batch], top_k=[r.top_k for r in batch],
                                  top_p=[r.top_p for r in batch], seed=[r.seed for r in batch], chunk=self.chunk)
