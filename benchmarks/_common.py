@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import platform
 from typing import Any
 
@@ -59,18 +58,10 @@ def record(benchmark: str, name: str, value: float | None, unit: str, *, peak: f
 
 def emit(rec: dict[str, Any]) -> dict[str, Any]:
     """Print a record as one JSON line (NaN/inf become null, so every line is strict JSON) and return it."""
+    from jaxperf.perf.bench import _finite  # the runner's own strict-JSON rule
+
     print(json.dumps(_finite(rec)), flush=True)
     return rec
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 def peak_flops(dtype: str) -> tuple[float, str]:
