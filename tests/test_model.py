@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig
 from jaxperf.models import GPT, REMAT_POLICIES, attention, xla_attention
-from jaxperf.models.layers import rope
+from jaxperf.models.layers import dense, rope
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64, vocab_multiple=64)
 
@@ -35,6 +35,46 @@ def test_segment_ids_block_attention_across_documents():
     first = xla_attention(q[:, :3], k[:, :3], v[:, :3], causal=True)
     second = xla_attention(q[:, 3:], k[:, 3:], v[:, 3:], causal=True)
     np.testing.assert_allclose(packed, jnp.concatenate([first, second], axis=1), rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_heads_with_segments_and_a_longer_key_block():
+    """GQA stacks a KV head's query heads along the query axis: segments and the end-aligned causal mask follow."""
+    kq, kk, kv = jax.random.split(jax.random.key(2), 3)
+    q = jax.random.normal(kq, (2, 8, 6, 8))
+    k = jax.random.normal(kk, (2, 8, 2, 8))
+    v = jax.random.normal(kv, (2, 8, 2, 8))
+    seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]])
+    packed = xla_attention(q, k, v, causal=True, segment_ids=seg)
+    expanded = [jnp.repeat(a, 3, axis=2) for a in (k, v)]  # query head h uses kv head h // 3
+    for b, cut in ((0, 3), (1, 6)):
+        for lo, hi in ((0, cut), (cut, 8)):
+            want = jax.nn.dot_product_attention(q[b:b + 1, lo:hi], expanded[0][b:b + 1, lo:hi],
+                                                expanded[1][b:b + 1, lo:hi], is_causal=True, implementation="xla")
+            np.testing.assert_allclose(packed[b:b + 1, lo:hi], want, rtol=1e-5, atol=1e-5)
+    # Two new queries against eight keys: the queries sit at positions 6 and 7.
+    tail = xla_attention(q[:, 6:], k, v, causal=True)
+    np.testing.assert_allclose(tail, xla_attention(q, k, v, causal=True)[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("materialise", [False, True])
+def test_dense_is_the_einsum_in_value_and_gradient(materialise):
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(kx, (2, 5, 3, 4))
+    w = jax.random.normal(kw, (3, 4, 6))
+    r = jnp.arange(2 * 5 * 6, dtype=jnp.float32).reshape(2, 5, 6) / 60
+
+    def ours(x, w):
+        return jnp.sum(jax.nn.gelu(dense(x, w, n_in=2, materialise_grad=materialise)) * r)
+
+    def ref(x, w):
+        return jnp.sum(jax.nn.gelu(jnp.einsum("blnh,nhd->bld", x, w)) * r)
+
+    np.testing.assert_allclose(dense(x, w, n_in=2, materialise_grad=materialise),
+                               jnp.einsum("blnh,nhd->bld", x, w), rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w), jax.grad(ref, argnums=(0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"does not end in the weight's input dims \(3, 4\)"):
+        dense(x[..., :2], w, n_in=2)
 
 
 def test_explicit_impl_that_cannot_run_raises():

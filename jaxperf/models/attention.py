@@ -53,20 +53,25 @@ def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, se
     B, L, H, Dh = q_BxLxHxDh.shape
     S, K = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
     G = H // K
-    q = q_BxLxHxDh.reshape(B, L, K, G, Dh)
-    scores_BxKxGxLxS = jnp.einsum("blkgd,bskd->bkgls", q, k_BxSxKxDh, preferred_element_type=jnp.float32)
-    scores_BxKxGxLxS = scores_BxKxGxLxS * (Dh**-0.5)
+    # Heads go in front of positions, and a KV head's G query heads are stacked along the query axis ([B, K, G*L,
+    # Dh], free to reshape from [B, H, L, Dh] since head h = k*G + g), so both matmuls are contiguous 4-D batched
+    # GEMMs: on XLA:CPU ~1.5x faster forward + backward than with the heads between positions and features.
+    q_BxKxMxDh = jnp.swapaxes(q_BxLxHxDh, 1, 2).reshape(B, K, G * L, Dh)
+    k_BxKxSxDh = jnp.swapaxes(k_BxSxKxDh, 1, 2)
+    v_BxKxSxDh = jnp.swapaxes(v_BxSxKxDh, 1, 2)
+    scores_BxKxMxS = jnp.einsum("bkmd,bksd->bkms", q_BxKxMxDh, k_BxKxSxDh, preferred_element_type=jnp.float32)
+    scores_BxKxMxS = scores_BxKxMxS * (Dh**-0.5)
     mask_LxS = jnp.ones((L, S), dtype=bool)
     if causal:
         mask_LxS = (jnp.arange(L)[:, None] + (S - L)) >= jnp.arange(S)[None, :]
-    mask = mask_LxS[None, None, None]
+    mask = jnp.tile(mask_LxS, (G, 1))[None, None]  # row g*L + i is query position i
     if segment_ids is not None:
         q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
-        mask = mask & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
-    scores_BxKxGxLxS = jnp.where(mask, scores_BxKxGxLxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores_BxKxGxLxS, axis=-1).astype(v_BxSxKxDh.dtype)
-    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BxSxKxDh, preferred_element_type=jnp.float32)
-    return out.reshape(B, L, H, Dh).astype(q_BxLxHxDh.dtype)
+        mask = mask & (jnp.tile(q_seg, (1, G))[:, None, :, None] == kv_seg[:, None, None, :])
+    scores_BxKxMxS = jnp.where(mask, scores_BxKxMxS, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores_BxKxMxS, axis=-1).astype(v_BxSxKxDh.dtype)
+    out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs, v_BxKxSxDh, preferred_element_type=jnp.float32)
+    return jnp.swapaxes(out_BxKxMxDh.reshape(B, H, L, Dh), 1, 2).astype(q_BxLxHxDh.dtype)
 
 
 def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):

@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
-from jaxperf.models.layers import Block, Norm, _param
+from jaxperf.models.layers import Block, Norm, _param, dense
 from jaxperf.parallel.rules import constrain
 
 # Logical axes of the KV cache [N, B, S, K, Dh]: rows follow the batch (data axes), KV heads follow the tensor axis.
@@ -94,7 +94,7 @@ class GPT(nnx.Module):
             def body(x, layer_state):
                 return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL), None
 
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state)
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=min(cfg.scan_unroll, cfg.n_layers))
         else:
             for block in self.blocks:
                 graphdef, state = nnx.split(block)
@@ -157,7 +157,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
         """Logits [B, L, V] in the compute dtype."""
         h_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
-        logits = jnp.einsum("bld,dv->blv", h_BxLxD, self.output_weights().astype(h_BxLxD.dtype))
+        logits = dense(h_BxLxD, self.output_weights().astype(h_BxLxD.dtype))
         return constrain(logits, ("batch", "seq", "vocab"))
 
 

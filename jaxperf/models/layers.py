@@ -6,6 +6,8 @@ Parameters are stored in `param_dtype` and cast to the compute `dtype` where use
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -28,6 +30,36 @@ def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: Axes, dtype) -> n
 def _bcast(v: jax.Array, ndim: int) -> jax.Array:
     """Lift a parameter to broadcast against trailing dims explicitly (tests run with rank promotion 'raise')."""
     return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+@jax.custom_vjp
+def _materialise_cotangent(y: jax.Array) -> jax.Array:
+    """Identity; its cotangent passes through an optimization barrier (see `dense`)."""
+    return y
+
+
+_materialise_cotangent.defvjp(lambda y: (y, None), lambda _, dy: (jax.lax.optimization_barrier(dy),))
+
+
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, materialise_grad: bool | None = None) -> jax.Array:
+    """x [..., *In] @ w [*In, *Out] -> [..., *Out]: the last `n_in` dims of x contract with the first of w.
+
+    Computed as one 2-D matmul [prod(...), prod(In)] x [prod(In), prod(Out)], so every backend sees the plain GEMM
+    shape, and its backward is two plain GEMMs. `materialise_grad` (default: on the CPU backend) makes the output's
+    cotangent a materialised array before the backward matmuls use it: without it XLA:CPU fuses the elementwise
+    gradient of the following op (GELU, bias, softmax) into a transposing copy for the weight gradient, which
+    measured about twice slower than the matmuls themselves (benchmarks/bench_train.py, tiny preset). On GPU and TPU
+    the fusion is left to XLA.
+    """
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    if x.shape[x.ndim - n_in:] != in_shape:
+        raise ValueError(f"dense: x {x.shape} does not end in the weight's input dims {in_shape} (w {w.shape})")
+    lead = x.shape[: x.ndim - n_in]
+    k = math.prod(in_shape)
+    y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out_shape))
+    if materialise_grad if materialise_grad is not None else jax.default_backend() == "cpu":
+        y = _materialise_cotangent(y)
+    return y.reshape(*lead, *out_shape)
 
 
 def _ones(key, shape, dtype):
@@ -117,7 +149,7 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, x_BxLxD.dtype
 
         def proj(w, b, heads_axis):
-            y = jnp.einsum("bld,dnh->blnh", x_BxLxD, w[...].astype(dt))
+            y = dense(x_BxLxD, w[...].astype(dt))
             if b is not None:
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
@@ -132,7 +164,7 @@ class Attention(nnx.Module):
     def _out(self, o_BxLxHxDh: jax.Array) -> jax.Array:
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
-        y = jnp.einsum("blnh,nhd->bld", o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt))
+        y = dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2)
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
@@ -208,16 +240,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         dt = x_BxLxD.dtype
-        h = jnp.einsum("bld,df->blf", x_BxLxD, self.w_in_DxF[...].astype(dt))
+        h = dense(x_BxLxD, self.w_in_DxF[...].astype(dt))
         if self.bias_in_F is not None:
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
-            gate = jnp.einsum("bld,df->blf", x_BxLxD, self.w_gate_DxF[...].astype(dt))
+            gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt))
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h, approximate=True)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = jnp.einsum("blf,fd->bld", h_BxLxF, self.w_out_FxD[...].astype(dt))
+        y = dense(h_BxLxF, self.w_out_FxD[...].astype(dt))
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")
