@@ -5,7 +5,7 @@
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_parallel.py --tiny
 
 Every supported (flavour, strategy) pair is built from the same preset on the same devices: jit with dp, fsdp, tp and
-fsdp_tp (tensor = 2 where the heads divide), shard_map with dp and fsdp, pmap with dp. Before timing, the first step's
+fsdp_tp (tensor = 2 where the heads divide), shard_map with the same four, pmap with dp. Before timing, the first step's
 loss of each pair is checked against the jit dp step on the same batch (all start from the same parameters), so a pair
 that computes something else is refused, not timed. Value: tokens/s (median over the timed steps, each blocked on),
 with the step time and MFU (tokens/s x FLOPs/token over devices x per-device peak) as % of peak. With one device every
@@ -34,14 +34,14 @@ TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
 
 def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
     """(flavour, strategy, mesh overrides) for every pair that runs on n devices."""
-    out = [("jit", "dp", ["data=-1", "fsdp=1"]), ("jit", "fsdp", ["fsdp=-1"])]
     tensor = max(t for t in (1, 2, 4, 8) if n_devices % t == 0 and n_heads % t == 0)
-    out.append(("jit", "tp", [f"tensor={tensor}", "data=-1", "fsdp=1"]))
-    if n_devices % 2 == 0 and n_heads % 2 == 0:
-        out.append(("jit", "fsdp_tp", ["tensor=2", "fsdp=-1"]))
-    out += [("shard_map", "dp", ["data=-1", "fsdp=1"]), ("shard_map", "fsdp", ["fsdp=-1"]),
-            ("pmap", "dp", ["data=-1", "fsdp=1"])]
-    return out
+    out = []
+    for flavour in ("jit", "shard_map"):
+        out += [(flavour, "dp", ["data=-1", "fsdp=1"]), (flavour, "fsdp", ["fsdp=-1"]),
+                (flavour, "tp", [f"tensor={tensor}", "data=-1", "fsdp=1"])]
+        if n_devices % 2 == 0 and n_heads % 2 == 0:
+            out.append((flavour, "fsdp_tp", ["tensor=2", "fsdp=-1"]))
+    return out + [("pmap", "dp", ["data=-1", "fsdp=1"])]
 
 
 def plot(records: list[dict], path: Path) -> str | None:

@@ -3,8 +3,9 @@
     python examples/06_explicit_collectives.py            # about a minute on 2 CPU cores
 
 Each flavour trains a tiny GPT for a few steps on the same batches from the same initial parameters; the single-device
-jit step is the reference. shard_map runs data parallel (lax.pmean of the gradients) and ZeRO-3 / fsdp (lax.all_gather
-of the parameters, lax.psum_scatter of the gradients); pmap runs data parallel with a leading device axis.
+jit step is the reference. shard_map runs data parallel (lax.pmean of the gradients), ZeRO-3 / fsdp (lax.all_gather
+of the parameters, lax.psum_scatter of the gradients) and Megatron tensor parallelism (each device its own heads and
+MLP columns, lax.psum after the row-parallel matmuls); pmap runs data parallel with a leading device axis.
 See jaxperf/train/explicit.py.
 """
 
@@ -36,6 +37,7 @@ RUNS = [  # (flavour, strategy, mesh)
     ("shard_map", "dp", dict(data=8, fsdp=1)),
     ("shard_map", "fsdp", dict(data=1, fsdp=8)),
     ("shard_map", "fsdp", dict(data=2, fsdp=4)),  # fsdp within groups of 4, data parallel across the 2 groups
+    ("shard_map", "tp", dict(data=2, fsdp=1, tensor=4)),  # 4 heads, one per device; data parallel across 2 groups
     ("pmap", "dp", dict(data=8, fsdp=1)),
 ]
 

@@ -73,3 +73,12 @@ def shard_map(f, *, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
     from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover
 
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)  # pragma: no cover
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes a value inside shard_map varies over (its `vma`; jax 0.10 names it `manual_axis_type`)."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())

@@ -39,7 +39,8 @@ class ModelConfig:
     use_bias: bool | None = None  # biases in projections and norms (gpt2: yes, llama: no)
     tie_embeddings: bool = True  # output projection = embedding table transposed
     scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
-    scan_unroll: int = 1  # layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params)
+    scan_unroll: int = 1  # layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params;
+    # remat then saves little: see jaxperf.perf.memory)
     remat: str = "none"  # none | full | save_dots | save_dots_no_batch | save_attn_proj
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16 (parameters stay param_dtype)
     param_dtype: str = "float32"
@@ -332,7 +333,7 @@ _MODEL_CHOICES = {
 # Step flavours and the strategies each can run (jaxperf.train.explicit writes the explicit-collective ones).
 FLAVOURS: dict[str, tuple[str, ...]] = {
     "jit": ("dp", "fsdp", "tp", "fsdp_tp"),
-    "shard_map": ("dp", "fsdp"),
+    "shard_map": ("dp", "fsdp", "tp", "fsdp_tp"),
     "pmap": ("dp",),
 }
 
@@ -352,8 +353,6 @@ def validate_flavour(parallel: ParallelConfig) -> None:
         raise ConfigError(
             f"parallel.flavour={flavour} supports parallel.strategy {' and '.join(supported)}, not {strategy!r}: use "
             f"{' or '.join(f'parallel.flavour={f}' for f in others) or 'another strategy'} for {strategy}"
-            + (" (tensor parallelism needs the model's layers to insert their own collectives)"
-               if strategy in ("tp", "fsdp_tp") else "")
         )
 
 

@@ -133,12 +133,13 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
 
 def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
     recs = load("parallel").main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
-    pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "pmap/dp"]
+    pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "shard_map/tp",
+             "shard_map/fsdp_tp", "pmap/dp"]
     check_records(recs, "parallel", pairs)
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     by_name = {r["name"]: r for r in recs}
     assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert by_name["jit/tp"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert by_name["jit/tp"]["mesh"] == by_name["shard_map/tp"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
     losses = {r["loss"] for r in recs}
     assert max(losses) - min(losses) < 1e-3 * max(losses)  # the same first step, however it is written
     for r in recs:

@@ -3,6 +3,7 @@ they say they store, refuse what they cannot run before compiling, and drive the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,38 +29,42 @@ OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, decay_steps=10, eps=1e-3)  # eps: s
 
 # Global shapes: embed (256, 32), pos (16, 32), norms (32,) / (2, 32), wq/wk/wv (2, 32, 4, 8), wo (2, 4, 8, 32),
 # bias_q/k/v (2, 4, 8), bias_o (2, 32), w_in (2, 32, 128), bias_in (2, 128), w_out (2, 128, 32), bias_out (2, 32).
-# Shard shape per device, by hand from the fsdp rule table (each weight's embed dim over `fsdp`; the data axis
-# replicates): the same placement as the jit fsdp strategy, so checkpoints move between flavours unchanged.
+# Shard shape per device, by hand from the rule tables (fsdp: each weight's embed dim over `fsdp`, the data axis
+# replicates; tp: heads, kv heads, mlp and vocab over `tensor`): the jit strategies' placement, so checkpoints move
+# between flavours unchanged.
 SHARD_SHAPES = {
-    #                             replicated       fsdp=8          data=2 x fsdp=4
-    "embed_VxD": [(256, 32), (256, 4), (256, 8)],
-    "pos_LxD": [(16, 32), (16, 4), (16, 8)],
-    "final_norm/scale": [(32,), (4,), (8,)],
-    "final_norm/bias": [(32,), (4,), (8,)],
-    "blocks/attn_norm/scale": [(2, 32), (2, 4), (2, 8)],
-    "blocks/attn_norm/bias": [(2, 32), (2, 4), (2, 8)],
-    "blocks/mlp_norm/scale": [(2, 32), (2, 4), (2, 8)],
-    "blocks/mlp_norm/bias": [(2, 32), (2, 4), (2, 8)],
-    "blocks/attn/wq_DxHxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
-    "blocks/attn/wk_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
-    "blocks/attn/wv_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8)],
-    "blocks/attn/wo_HxDhxD": [(2, 4, 8, 32), (2, 4, 8, 4), (2, 4, 8, 8)],
-    "blocks/attn/bias_q_HxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],  # no embed dim: whole, gradient psummed
-    "blocks/attn/bias_k_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],
-    "blocks/attn/bias_v_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8)],
-    "blocks/attn/bias_o_D": [(2, 32), (2, 4), (2, 8)],
-    "blocks/mlp/w_in_DxF": [(2, 32, 128), (2, 4, 128), (2, 8, 128)],
-    "blocks/mlp/bias_in_F": [(2, 128), (2, 128), (2, 128)],
-    "blocks/mlp/w_out_FxD": [(2, 128, 32), (2, 128, 4), (2, 128, 8)],
-    "blocks/mlp/bias_out_D": [(2, 32), (2, 4), (2, 8)],
+    #                         replicated       fsdp=8          data=2 x fsdp=4   tensor=4         fsdp=4 x tensor=2
+    "embed_VxD": [(256, 32), (256, 4), (256, 8), (64, 32), (128, 8)],
+    "pos_LxD": [(16, 32), (16, 4), (16, 8), (16, 32), (16, 8)],
+    "final_norm/scale": [(32,), (4,), (8,), (32,), (8,)],
+    "final_norm/bias": [(32,), (4,), (8,), (32,), (8,)],
+    "blocks/attn_norm/scale": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
+    "blocks/attn_norm/bias": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
+    "blocks/mlp_norm/scale": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
+    "blocks/mlp_norm/bias": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
+    "blocks/attn/wq_DxHxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8), (2, 32, 1, 8), (2, 8, 2, 8)],
+    "blocks/attn/wk_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8), (2, 32, 1, 8), (2, 8, 2, 8)],
+    "blocks/attn/wv_DxKxDh": [(2, 32, 4, 8), (2, 4, 4, 8), (2, 8, 4, 8), (2, 32, 1, 8), (2, 8, 2, 8)],
+    "blocks/attn/wo_HxDhxD": [(2, 4, 8, 32), (2, 4, 8, 4), (2, 4, 8, 8), (2, 1, 8, 32), (2, 2, 8, 8)],
+    "blocks/attn/bias_q_HxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8), (2, 1, 8), (2, 2, 8)],  # no embed dim
+    "blocks/attn/bias_k_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8), (2, 1, 8), (2, 2, 8)],
+    "blocks/attn/bias_v_KxDh": [(2, 4, 8), (2, 4, 8), (2, 4, 8), (2, 1, 8), (2, 2, 8)],
+    "blocks/attn/bias_o_D": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
+    "blocks/mlp/w_in_DxF": [(2, 32, 128), (2, 4, 128), (2, 8, 128), (2, 32, 32), (2, 8, 64)],
+    "blocks/mlp/bias_in_F": [(2, 128), (2, 128), (2, 128), (2, 32), (2, 64)],
+    "blocks/mlp/w_out_FxD": [(2, 128, 32), (2, 128, 4), (2, 128, 8), (2, 32, 32), (2, 64, 8)],
+    "blocks/mlp/bias_out_D": [(2, 32), (2, 4), (2, 8), (2, 32), (2, 8)],
 }
-REPLICATED, FSDP8, HSDP = 0, 1, 2
+REPLICATED, FSDP8, HSDP, TP4, FSDP4_TP2 = range(5)
 
 # (flavour, strategy, mesh, microbatches, column of SHARD_SHAPES)
 CASES = {
     "shard_map-dp-data2xfsdp4-micro2": ("shard_map", "dp", dict(data=2, fsdp=4), 2, REPLICATED),
     "shard_map-fsdp": ("shard_map", "fsdp", dict(data=1, fsdp=8), 1, FSDP8),
     "shard_map-fsdp-data2xfsdp4-micro2": ("shard_map", "fsdp", dict(data=2, fsdp=4), 2, HSDP),
+    # Megatron: each device runs its own heads and MLP columns, psum after the row-parallel matmuls.
+    "shard_map-tp-data2xtensor4": ("shard_map", "tp", dict(data=2, fsdp=1, tensor=4), 1, TP4),
+    "shard_map-fsdp_tp-fsdp4xtensor2-micro2": ("shard_map", "fsdp_tp", dict(data=1, fsdp=4, tensor=2), 2, FSDP4_TP2),
     "pmap-dp": ("pmap", "dp", dict(data=8, fsdp=1), 1, REPLICATED),
 }
 
@@ -135,7 +140,7 @@ def test_flavour_matches_single_device_jit(name, single_device):
             want = SHARD_SHAPES[path][col]
             assert shard == want, f"{name}: {label} {path} shard {shard} != {want}"
 
-    if strategy == "fsdp":  # the jit fsdp placement (so the literal shapes above say the same for both flavours)
+    if strategy != "dp":  # the jit strategy's placement (so the literal shapes above say the same for both flavours)
         task, _ = _task(strategy, mesh_kw)
         for path, leaf in params.items():
             assert leaf.sharding.is_equivalent_to(_flat(task.param_shardings)[path], leaf.ndim), path
@@ -185,8 +190,10 @@ def test_bad_flavour_name_is_a_config_error():
 
 @pytest.mark.parametrize("overrides, message", [
     (["flavour=shard_map", "strategy=tp", "fsdp=1", "tensor=8"],
-     r"parallel.flavour=shard_map supports parallel.strategy dp and fsdp, not 'tp': use parallel.flavour=jit for tp"),
-    (["flavour=shard_map", "strategy=fsdp_tp", "fsdp=4", "tensor=2"], r"use parallel.flavour=jit for fsdp_tp"),
+     r"model.n_heads=4 is not divisible by the tensor-parallel size parallel.tensor=8"),
+    (["flavour=pmap", "strategy=tp", "fsdp=1", "tensor=8"],
+     r"parallel.flavour=pmap supports parallel.strategy dp, not 'tp': use parallel.flavour=jit or "
+     r"parallel.flavour=shard_map for tp"),
     (["flavour=pmap", "strategy=fsdp", "fsdp=8"],
      r"parallel.flavour=pmap supports parallel.strategy dp, not 'fsdp': use parallel.flavour=jit or "
      r"parallel.flavour=shard_map for fsdp"),
@@ -199,11 +206,13 @@ def test_unsupported_flavour_and_strategy_is_a_config_error(overrides, message):
 
 
 def test_step_builder_checks_the_rule_table_itself():
-    """Without the config (research code building steps directly) the rule table is judged: tp splits weights over
-    `tensor`, which shard_map here does not handle, and pmap wants every parameter whole."""
+    """Without the config (research code building steps directly) the rule table is judged: Megatron under shard_map
+    needs every MLP column block split evenly over `tensor` (30 columns over 4 devices are not), and pmap wants
+    every parameter whole."""
     before = len(_COMPILES)
-    tp, _ = _task("tp", dict(data=2, fsdp=1, tensor=4))
-    with pytest.raises(ConfigError, match=r"splits parameter .* over tensor.*use parallel.flavour=jit"):
+    odd_mlp = dataclasses.replace(MODEL, mlp_dim=30)
+    tp, _ = _task("tp", dict(data=2, fsdp=1, tensor=4), model=odd_mlp)
+    with pytest.raises(ConfigError, match=r"parameter blocks/mlp/\S+ .* its 30 mlp do not divide over tensor=4"):
         build_train_step(tp, next_token_loss, "shard_map")
     fsdp, _ = _task("fsdp", dict(data=1, fsdp=8))
     with pytest.raises(ConfigError, match=r"flavour=pmap keeps a whole copy .* shards 16 of them"):

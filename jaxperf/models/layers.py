@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxperf._compat import no_eager_sharding
 from jaxperf.models import kernels
 from jaxperf.models.attention import attention
-from jaxperf.parallel.rules import constrain
+from jaxperf.parallel.rules import constrain, row_parallel_reduce
 
 Axes = tuple[str | None, ...]
 
@@ -164,7 +164,7 @@ class Attention(nnx.Module):
     def _out(self, o_BxLxHxDh: jax.Array) -> jax.Array:
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
-        y = dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2)
+        y = row_parallel_reduce(dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2))
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
@@ -249,7 +249,7 @@ class MLP(nnx.Module):
         else:
             h = jax.nn.gelu(h, approximate=True)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = dense(h_BxLxF, self.w_out_FxD[...].astype(dt))
+        y = row_parallel_reduce(dense(h_BxLxF, self.w_out_FxD[...].astype(dt)))
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")

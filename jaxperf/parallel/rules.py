@@ -155,3 +155,31 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
         raise ValueError(f"constrain: {len(logical_axes)} names {tuple(logical_axes)} for an array of shape {x.shape}")
     spec = logical_to_spec(logical_axes, rules.activations, mesh, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Explicit (Megatron) tensor parallelism: inside a shard_map body the layers see their own heads and MLP columns only,
+# and the row-parallel matmuls (attention output, MLP output) produce partial sums that must be added over the axis.
+
+_ROW_PARALLEL_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxperf_tp_axis", default=None)
+
+
+@contextlib.contextmanager
+def explicit_tensor_parallel(axis_name: str):
+    """Within this context (a shard_map body) `row_parallel_reduce` sums its input over `axis_name`."""
+    token = _ROW_PARALLEL_AXIS.set(axis_name)
+    try:
+        yield
+    finally:
+        _ROW_PARALLEL_AXIS.reset(token)
+
+
+def row_parallel_reduce(y: jax.Array) -> jax.Array:
+    """The output of a row-parallel matmul (its contracted dim split over the tensor axis) made whole.
+
+    Under `explicit_tensor_parallel` this is `lax.psum` over that axis (its transpose, in the backward, is free: the
+    cotangent is already the same on every device); elsewhere, under jit, GSPMD derives the collective itself and
+    this is the identity. Layers call it before adding the bias, which every device holds whole.
+    """
+    axis = _ROW_PARALLEL_AXIS.get()
+    return y if axis is None else jax.lax.psum(y, axis)

@@ -19,12 +19,19 @@
                device updates only its 1/n, and its one global quantity (the gradient norm for clipping) becomes a
                scalar all-reduce. Doing the update inside the shard_map would let clip_by_global_norm see one shard's
                norm only.
+             tp (Megatron), also with dp or fsdp: each device keeps its own attention heads, KV heads and MLP columns
+               (the dims the rule table puts on `tensor`) and runs the layers on them; the attention-output and
+               MLP-output matmuls then hold partial sums, which the layers add up with `lax.psum` over `tensor`
+               (`jaxperf.parallel.rules.row_parallel_reduce`). Autodiff under shard_map's replication check puts
+               the matching psum of the input gradient into the backward by itself. A parameter the rule table splits
+               over `tensor` on any other dim (the embedding's vocabulary) enters whole and its gradient leaves whole.
+               A custom model runs this flavour only if its row-parallel layers call `row_parallel_reduce`.
   pmap       data parallelism the classic way, one process: the state carries a leading device axis, `jax.pmap` runs
              the same per-device step as shard_map dp. `FlavouredStep.to_step` / `from_step` convert at the boundary,
              so the Trainer checkpoints, evaluates and logs the usual state.
 
-Tensor parallelism (tp, fsdp_tp) stays with flavour=jit: under shard_map the model's layers would have to run with
-local head counts and psum after each row-parallel matmul themselves; `check_flavour` refuses it before compiling.
+`check_flavour` refuses, before compiling, what a flavour cannot run: pmap anything but replicated parameters;
+shard_map parameters split over other mesh axes, or tensor parallelism whose head or MLP dims do not divide evenly.
 
 Weighting: as in the jit step, a device's gradient of its mean loss is multiplied by its number of unmasked tokens,
 summed over devices and microbatches, and divided by the global token count, so unequal masks across devices and
@@ -56,11 +63,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
 from jaxperf.config import FLAVOURS, ConfigError
-from jaxperf.parallel.rules import logical_to_spec
+from jaxperf.parallel.rules import explicit_tensor_parallel, logical_to_spec
 from jaxperf.parallel.sharding import replicated
 from jaxperf.train.step import LossFn, Task, TrainState, finish_step
 
 PMAP_AXIS = "replica"  # the axis name the pmap step reduces over
+TENSOR_AXIS = "tensor"
+# Logical dims that stay split over the tensor axis inside the shard_map body: each device runs its own heads and MLP
+# columns (Megatron). Any other dim the rule table puts on the tensor axis is gathered at the shard_map boundary.
+TENSOR_LOCAL = frozenset({"heads", "kv_heads", "mlp"})
 
 
 def _identity(x):
@@ -120,6 +131,63 @@ def _flat_specs(task: Task) -> list[tuple[str, P]]:
     return [("/".join(str(getattr(k, "key", k)) for k in path), s.spec) for path, s in leaves]
 
 
+def _entry(names: tuple[str, ...]):
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _tensor_size(task: Task) -> int:
+    return task.mesh.shape.get(TENSOR_AXIS, 1)
+
+
+def _body_specs(task: Task):
+    """Per parameter (two trees like `task.param_shardings`): the spec of the block each device holds inside the
+    shard_map body (tensor kept only on TENSOR_LOCAL dims), and that spec's data-parallel part (what the body
+    gathers and reduce-scatters)."""
+
+    def one(sharding, logical):
+        logical = tuple(logical or ())
+        inner, data = [], []
+        for dim, entry in enumerate(sharding.spec):
+            local = dim < len(logical) and logical[dim] in TENSOR_LOCAL
+            keep = tuple(a for a in _axes_of(entry) if a != TENSOR_AXIS or local)
+            inner.append(_entry(keep))
+            data.append(_entry(tuple(a for a in keep if a != TENSOR_AXIS)))
+        return P(*inner), P(*data)
+
+    pairs = jax.tree.map(one, task.param_shardings, task.param_axes)
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], P)  # noqa: E731
+    return (jax.tree.map(lambda pr: pr[0], pairs, is_leaf=is_pair),
+            jax.tree.map(lambda pr: pr[1], pairs, is_leaf=is_pair))
+
+
+def _check_tensor_split(task: Task) -> None:
+    """Megatron under shard_map needs every heads / kv_heads / mlp dim split over `tensor`, and split over it alone."""
+    t = _tensor_size(task)
+    if t == 1:
+        return
+    flat_axes = dict(
+        ("/".join(str(getattr(k, "key", k)) for k in path), v)
+        for path, v in jax.tree_util.tree_flatten_with_path(
+            task.param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))[0])
+    shapes = dict(
+        ("/".join(str(getattr(k, "key", k)) for k in path), v.shape)
+        for path, v in jax.tree_util.tree_flatten_with_path(task.abstract_params)[0])
+    for path, spec in _flat_specs(task):
+        logical = tuple(flat_axes.get(path) or ())
+        for dim, name in enumerate(logical):
+            if name not in TENSOR_LOCAL:
+                continue
+            names = _axes_of(spec[dim]) if dim < len(spec) else ()
+            size = shapes.get(path, (None,) * len(logical))[dim]
+            if names != (TENSOR_AXIS,):
+                why = (f"its {size} {name} do not divide over tensor={t}" if TENSOR_AXIS not in names
+                       else f"it is split over {names}, not over tensor alone")
+                raise ConfigError(
+                    f"flavour=shard_map runs tensor parallelism with each device holding its own {name}, but "
+                    f"parameter {path} ({spec}) is not split that way: {why}. Pick model sizes whose heads, KV heads "
+                    f"and MLP width divide by tensor={t}, or use parallel.flavour=jit")
+
+
 def check_flavour(flavour: str, task: Task) -> None:
     """Raise ConfigError, before anything compiles, when `flavour` cannot run the task's rule table on its mesh.
 
@@ -131,14 +199,18 @@ def check_flavour(flavour: str, task: Task) -> None:
     if flavour == "jit":
         return
     data = set(data_axes(task))
+    allowed = data | ({TENSOR_AXIS} if flavour == "shard_map" else set())
     for path, spec in _flat_specs(task):
-        other = sorted(_spec_axes(spec) - data)
+        other = sorted(_spec_axes(spec) - allowed)
         if other:
+            kinds = "dp, fsdp, tp and fsdp_tp" if flavour == "shard_map" else "dp"
             raise ConfigError(
-                f"flavour={flavour} supports strategies dp and fsdp, but strategy {task.rules.name!r} splits parameter "
-                f"{path} ({spec}) over {', '.join(other)}, which is not a data-parallel axis: use parallel.flavour=jit "
-                f"for tensor parallelism"
+                f"flavour={flavour} supports strategies {kinds}, but strategy {task.rules.name!r} splits parameter "
+                f"{path} ({spec}) over {', '.join(other)}, which is neither a data-parallel axis nor "
+                f"{'tensor' if flavour == 'shard_map' else 'replicated'}: use parallel.flavour=jit"
             )
+    if flavour == "shard_map":
+        _check_tensor_split(task)
     if flavour == "pmap":
         sharded = [path for path, spec in _flat_specs(task) if _spec_axes(spec)]
         if sharded:
@@ -154,7 +226,13 @@ def check_flavour(flavour: str, task: Task) -> None:
 
 def _cast_varying(x, axes: tuple[str, ...]):
     """Mark `x` as a per-device value over `axes`, so that its gradient stays per device until we reduce it."""
+    axes = tuple(a for a in axes if a not in _compat.varying_axes(x))
     return lax.pcast(x, axes, to="varying") if axes else x
+
+
+def _varying_like(x, like):
+    """`x` marked per-device over every mesh axis `like` varies over (a tp block also varies over `tensor`)."""
+    return _cast_varying(x, tuple(sorted(_compat.varying_axes(like))))
 
 
 def _gather(shard, spec: P):
@@ -163,6 +241,10 @@ def _gather(shard, spec: P):
         if _axes_of(entry):
             shard = lax.all_gather(shard, _axes_of(entry), axis=dim, tiled=True)
     return shard
+
+
+def _sum_over(x, axes: tuple[str, ...]):
+    return lax.psum(x, axes) if axes else x
 
 
 def _reduce_scatter(grad, spec: P, axes: tuple[str, ...]):
@@ -210,7 +292,7 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
         loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale)
         return (jax.tree.map(lambda a, b: a + b * w, g_sum, g), w_sum + w, l_sum + loss * w, ms), None
 
-    zeros = vary(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))
+    zeros = jax.tree.map(lambda p: _varying_like(jnp.zeros(p.shape, p.dtype), p), params)
     init = (zeros, zero, zero, model_state)
     (g, w, l, model_state), _ = lax.scan(body, init, jax.tree.map(split_bxk, batch))
     return g, w, l, model_state
@@ -245,10 +327,12 @@ def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, sc
 def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, schedule=None,
                          donate: bool = True) -> FlavouredStep:
     """The step under shard_map: dp when the rule table replicates every parameter, fsdp (ZeRO-3) when it shards them
-    over data-parallel axes. State and batch are laid out as for `task.train_step` (same shardings, same checkpoints).
+    over data-parallel axes, Megatron tp when it splits heads and MLP columns over `tensor` (alone or with either).
+    State and batch are laid out as for `task.train_step` (same shardings, same checkpoints).
 
     Args:
-      task: a Task whose rule table maps parameters onto data-parallel axes only (strategies dp, fsdp).
+      task: a Task whose rule table maps parameters onto data-parallel axes and `tensor` (strategies dp, fsdp, tp,
+        fsdp_tp).
       loss_fn: `(model, batch) -> (mean_loss, aux)`, as for `Task.train_step`.
       microbatches: k; each device splits its b rows into k sequential microbatches (b % k == 0).
       schedule: the learning-rate schedule, reported as metrics["lr"].
@@ -259,28 +343,35 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
     mesh, axes = task.mesh, data_axes(task)
     vary_all = lambda tree: jax.tree.map(lambda x: _cast_varying(x, axes), tree)  # noqa: E731
     state_shardings = task.state_shardings()
-    param_specs = jax.tree.map(lambda s: s.spec, task.param_shardings)
+    body_specs, data_specs = _body_specs(task)  # the block each device holds; its data-parallel part
     batch_spec = _batch_spec(axes)
+    tensor_parallel = any(TENSOR_AXIS in _spec_axes(spec) for spec in jax.tree.leaves(body_specs))
+    sharded = tensor_parallel or any(_spec_axes(spec) for spec in jax.tree.leaves(data_specs))
 
-    if not any(_spec_axes(spec) for _, spec in _flat_specs(task)):  # dp: the whole step per device
+    if not sharded:  # dp: the whole step per device
         body = _replicated_step(task, loss_fn, axes=axes, microbatches=microbatches, schedule=schedule,
                                 vary=vary_all)
         step = _compat.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
-    else:  # fsdp: gather, local grads, reduce-scatter; the update on the shards outside
+    else:  # fsdp and/or tp: gather, local grads, reduce-scatter; the update on the shards outside
 
-        def grads_body(param_shards, model_state, batch, scale):
-            def whole(shard, spec):
+        def grads_body(param_blocks, model_state, batch, scale):
+            def whole(block, spec):  # whole over the data-parallel axes; tp blocks stay this device's own
                 missing = tuple(a for a in axes if a not in _spec_axes(spec))
-                return _cast_varying(_gather(shard, spec), missing)
+                return _cast_varying(_gather(block, spec), missing)
 
-            params = jax.tree.map(whole, param_shards, param_specs)
-            g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
-                                                vary_all)
-            g = jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), g, param_specs)
-            return g, lax.psum(w, axes), lax.psum(l, axes), model_state
+            params = jax.tree.map(whole, param_blocks, data_specs)
+            if tensor_parallel:
+                with explicit_tensor_parallel(TENSOR_AXIS):
+                    g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale,
+                                                        microbatches, vary_all)
+            else:
+                g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
+                                                    vary_all)
+            g = jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), g, data_specs)
+            return g, _sum_over(w, axes), _sum_over(l, axes), model_state
 
-        sharded_grads = _compat.shard_map(grads_body, mesh=mesh, in_specs=(param_specs, P(), batch_spec, P()),
-                                          out_specs=(param_specs, P(), P(), P()))
+        sharded_grads = _compat.shard_map(grads_body, mesh=mesh, in_specs=(body_specs, P(), batch_spec, P()),
+                                          out_specs=(body_specs, P(), P(), P()))
 
         def step(state: TrainState, batch):
             scale = _loss_scale(task, state)
