@@ -127,7 +127,8 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
         from jaxperf.train.explicit import build_train_step
 
         step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
-                                schedule=schedule, donate=donate)
+                                schedule=schedule, donate=donate,
+                                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
         state = step.to_step(task.init_state())
     B, L = cfg.batch_size, cfg.train_seq_len
     tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)

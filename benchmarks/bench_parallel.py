@@ -5,7 +5,8 @@
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_parallel.py --tiny
 
 Every supported (flavour, strategy) pair is built from the same preset on the same devices: jit with dp, fsdp, tp and
-fsdp_tp (tensor = 2 where the heads divide), shard_map with the same four, pmap with dp. Before timing, the first step's
+fsdp_tp (tensor = 2 where the heads divide), shard_map with the same four and dp with each layer's gradients reduced
+inside the backward (`dp+overlap`), pmap with dp. Before timing, the first step's
 loss of each pair is checked against the jit dp step on the same batch (all start from the same parameters), so a pair
 that computes something else is refused, not timed. Value: tokens/s (median over the timed steps, each blocked on),
 with the step time and MFU (tokens/s x FLOPs/token over devices x per-device peak) as % of peak. With one device every
@@ -29,6 +30,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside 
 from _common import check_close, emit, make_train_step, peak_flops, record  # noqa: E402
 
 NAME = "parallel"
+OVERLAP = "parallel.overlap_grad_reduce=true"
 TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
 
 
@@ -41,6 +43,8 @@ def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
                 (flavour, "tp", [f"tensor={tensor}", "data=-1", "fsdp=1"])]
         if n_devices % 2 == 0 and n_heads % 2 == 0:
             out.append((flavour, "fsdp_tp", ["tensor=2", "fsdp=-1"]))
+    # shard_map dp again, each layer's gradients all-reduced inside the backward pass
+    out.append(("shard_map", "dp", ["data=-1", "fsdp=1", OVERLAP]))
     return out + [("pmap", "dp", ["data=-1", "fsdp=1"])]
 
 
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base = get_config(a.preset, overrides)
     records, reference = [], None
     for flavour, strategy, mesh in pairs(n, base.model.n_heads):
-        name = f"{flavour}/{strategy}"
+        name = f"{flavour}/{strategy}" + ("+overlap" if OVERLAP in mesh else "")
         try:
             step, state, batch, cfg = make_train_step(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
                                                                  f"parallel.flavour={flavour}"])

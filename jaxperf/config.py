@@ -106,6 +106,8 @@ class ParallelConfig:
     # spans them, so only the gradient all-reduce crosses DCN; data/fsdp/tensor above describe one slice.
     dcn_data: int = 1
     flavour: str = "jit"  # how the step is written: jit (GSPMD) | shard_map | pmap (see jaxperf.train.explicit)
+    # shard_map dp: all-reduce each layer's gradients inside the backward pass, as soon as that layer is done
+    overlap_grad_reduce: bool = False
 
 
 @dataclass(frozen=True)
@@ -385,6 +387,13 @@ def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | No
     from jaxperf.parallel.mesh import mesh_shape as _mesh_shape
 
     validate_flavour(cfg.parallel)
+    if cfg.parallel.overlap_grad_reduce and (cfg.parallel.flavour, cfg.parallel.strategy, cfg.microbatches) != (
+            "shard_map", "dp", 1):
+        raise ConfigError(
+            f"parallel.overlap_grad_reduce runs with parallel.flavour=shard_map, parallel.strategy=dp and "
+            f"microbatches=1 (each layer's gradients are all-reduced once, inside the backward pass), not flavour="
+            f"{cfg.parallel.flavour}, strategy={cfg.parallel.strategy}, microbatches={cfg.microbatches}; under jit XLA "
+            f"schedules the gradient reduction itself")
     shape = mesh_shape or _mesh_shape(cfg.parallel, num_devices)
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:

@@ -134,7 +134,7 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
 def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
     recs = load("parallel").main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
     pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "shard_map/tp",
-             "shard_map/fsdp_tp", "pmap/dp"]
+             "shard_map/fsdp_tp", "shard_map/dp+overlap", "pmap/dp"]
     check_records(recs, "parallel", pairs)
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     by_name = {r["name"]: r for r in recs}

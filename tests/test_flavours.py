@@ -154,6 +154,62 @@ def test_flavour_matches_single_device_jit(name, single_device):
             np.testing.assert_array_equal(replicas, np.broadcast_to(replicas[:1], replicas.shape), err_msg=path)
 
 
+def _all_reduces_by_computation(hlo: str) -> dict[str, list[str]]:
+    """{computation name ("ENTRY" for the entry): [its all-reduce instructions]} of a compiled program's text."""
+    out: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith("{"):
+            current = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0]
+        elif " all-reduce(" in line or " all-reduce-start(" in line:
+            out.setdefault(current, []).append(line.strip())
+    return out
+
+
+def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(single_device):
+    """shard_map dp with overlap_grad_reduce: the same numbers, and the layers' gradients are all-reduced inside the
+    backward scan over layers (its loop body) rather than all at once after it."""
+    _, ref_losses, ref_history = single_device
+    placement = {}
+    for overlap in (False, True):
+        task, sched = _task("dp", dict(data=8, fsdp=1))
+        step = build_train_step(task, next_token_loss, "shard_map", schedule=sched, overlap_grad_reduce=overlap)
+        state = task.init_state()
+        batches = [jax.device_put(b, task.batch_sharding()) for b in _batches(STEPS)]
+        placement[overlap] = _all_reduces_by_computation(step.fn.lower(state, batches[0]).compile().as_text())
+        losses = []
+        for batch in batches:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"overlap={overlap}: losses")
+        ref = _flat(ref_history[-1])
+        for path, leaf in _flat(jax.device_get(state.params)).items():
+            np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=f"overlap={overlap}: {path}")
+
+    assert set(placement[False]) == {"ENTRY"}, placement[False]  # every gradient reduced after the backward
+    in_loop = [ar for comp, ars in placement[True].items() if comp != "ENTRY" for ar in ars]
+    assert in_loop, placement[True]
+    # One layer's weights (no leading layers axis): wq [32, 4, 8] and w_in [32, 128] go out from inside the loop.
+    assert any("f32[32,4,8]" in ar and "f32[32,128]" in ar for ar in in_loop), in_loop
+    assert not any("f32[2,32,4,8]" in ar for ars in placement[True].values() for ar in ars)
+
+
+def test_overlap_grad_reduce_is_refused_where_it_cannot_run():
+    before = len(_COMPILES)
+    fsdp, _ = _task("fsdp", dict(data=1, fsdp=8))
+    with pytest.raises(ConfigError, match=r"overlap_grad_reduce runs with strategy dp and one microbatch"):
+        build_train_step(fsdp, next_token_loss, "shard_map", overlap_grad_reduce=True)
+    dp, _ = _task("dp", dict(data=8, fsdp=1))
+    with pytest.raises(ConfigError, match=r"microbatches=2"):
+        build_train_step(dp, next_token_loss, "shard_map", microbatches=2, overlap_grad_reduce=True)
+    with pytest.raises(ConfigError, match=r"is a shard_map option .* flavour=jit does not take it"):
+        build_train_step(dp, next_token_loss, "jit", overlap_grad_reduce=True)
+    cfg = get_config("tiny", ["flavour=jit", "strategy=dp", "data=8", "fsdp=1", "overlap_grad_reduce=true"])
+    with pytest.raises(ConfigError, match=r"overlap_grad_reduce runs with parallel.flavour=shard_map"):
+        Trainer(cfg, train_data=_Rows())
+    assert len(_COMPILES) == before
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Errors before compiling
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param, dense
-from jaxperf.parallel.rules import constrain
+from jaxperf.parallel.rules import constrain, on_layer_params
 
 # Logical axes of the KV cache [N, B, S, K, Dh]: rows follow the batch (data axes), KV heads follow the tensor axis.
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -83,7 +83,7 @@ class GPT(nnx.Module):
         policy = REMAT_POLICIES[cfg.remat]
 
         def apply(graphdef, state, x, pos, seg):
-            return nnx.merge(graphdef, state)(x, pos, seg)
+            return nnx.merge(graphdef, on_layer_params(state))(x, pos, seg)
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))

@@ -183,3 +183,37 @@ def row_parallel_reduce(y: jax.Array) -> jax.Array:
     """
     axis = _ROW_PARALLEL_AXIS.get()
     return y if axis is None else jax.lax.psum(y, axis)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Per-layer parameter hook: a step can transform each layer's parameters where the layer uses them (the shard_map dp
+# step reduces each layer's gradients inside the backward pass this way, so the reduction overlaps the layers below).
+
+
+class _LayerHook:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+
+_LAYER_HOOK: contextvars.ContextVar[_LayerHook | None] = contextvars.ContextVar("jaxperf_layer_hook", default=None)
+
+
+@contextlib.contextmanager
+def layer_params_hook(fn):
+    """Within this context `on_layer_params(p)` returns `fn(p)`; the yielded object counts the calls (`.calls`)."""
+    hook = _LayerHook(fn)
+    token = _LAYER_HOOK.set(hook)
+    try:
+        yield hook
+    finally:
+        _LAYER_HOOK.reset(token)
+
+
+def on_layer_params(params):
+    """Models call this on each layer's parameters just before the layer runs; the identity unless a step installed
+    `layer_params_hook`. The built-in GPT calls it once per layer, inside the layer scan or loop."""
+    hook = _LAYER_HOOK.get()
+    if hook is None:
+        return params
+    hook.calls += 1
+    return hook.fn(params)

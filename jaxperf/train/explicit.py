@@ -63,7 +63,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
 from jaxperf.config import FLAVOURS, ConfigError
-from jaxperf.parallel.rules import explicit_tensor_parallel, logical_to_spec
+from jaxperf.parallel.rules import explicit_tensor_parallel, layer_params_hook, logical_to_spec
 from jaxperf.parallel.sharding import replicated
 from jaxperf.train.step import LossFn, Task, TrainState, finish_step
 
@@ -72,6 +72,7 @@ TENSOR_AXIS = "tensor"
 # Logical dims that stay split over the tensor axis inside the shard_map body: each device runs its own heads and MLP
 # columns (Megatron). Any other dim the rule table puts on the tensor axis is gathered at the shard_map boundary.
 TENSOR_LOCAL = frozenset({"heads", "kv_heads", "mlp"})
+LAYERS_KEY = "blocks"  # where a model that calls `on_layer_params` keeps its layers' parameters (the built-in GPT)
 
 
 def _identity(x):
@@ -302,13 +303,54 @@ def _loss_scale(task: Task, state: TrainState):
     return state.health["loss_scale"] if task.health.loss_scale else jnp.ones((), jnp.float32)
 
 
-def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, schedule, vary):
-    """The data-parallel step one device runs (under shard_map or pmap): local grads, pmean, the same update."""
+def _psum_in_backward(axes: tuple[str, ...]):
+    """Identity on a layer's parameters whose backward sums their gradient over `axes` right away: the all-reduce of
+    layer i's gradients is issued as soon as layer i's backward is done, while layers i-1, i-2, ... still compute."""
+
+    @jax.custom_vjp
+    def reduce(params):
+        return params
+
+    def bwd(_, g):
+        return (jax.tree.map(lambda x: lax.psum(x, axes), g),)
+
+    reduce.defvjp(lambda params: (params, None), bwd)
+    return reduce
+
+
+def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, schedule, vary,
+                     overlap_grad_reduce: bool = False):
+    """The data-parallel step one device runs (under shard_map or pmap): local grads, pmean, the same update.
+
+    With `overlap_grad_reduce` each layer's gradients are summed inside the backward pass (one all-reduce per layer,
+    a bucket each) and the rest (embeddings, final norm) after it; the loss is weighted by the device's token count
+    before differentiating, so the sums are the same weighted sums the pmean path forms."""
     pmean = (lambda x: lax.pmean(x, axes)) if axes else _identity  # no axes: a one-device mesh
     psum = (lambda x: lax.psum(x, axes)) if axes else _identity
 
+    def overlapped(state: TrainState, batch, scale):
+        def weighted_loss(model, mb, s):
+            loss, aux = loss_fn(model, mb)
+            return loss * jnp.asarray(aux.get("weight", 1.0), jnp.float32) * s, aux
+
+        params = vary(state.params)
+        with layer_params_hook(_psum_in_backward(axes)) as hook:
+            lw, w, _, model_state, g = task._grads(weighted_loss, params, state.model_state, batch, scale)
+        if hook.calls == 0 or not isinstance(g, dict) or LAYERS_KEY not in g:
+            raise ConfigError(
+                f"parallel.overlap_grad_reduce needs a model that keeps its layers' parameters under "
+                f"{LAYERS_KEY!r} and passes them through jaxperf.parallel.rules.on_layer_params (the built-in GPT "
+                f"does); this model {'never called it' if hook.calls == 0 else 'has no ' + repr(LAYERS_KEY)}")
+        g = {k: (v if k == LAYERS_KEY else jax.tree.map(psum, v)) for k, v in g.items()}
+        return g, psum(w), psum(lw), model_state  # sums over devices of grads x w, w, loss x w (all times scale)
+
     def step(state: TrainState, batch):
         scale = _loss_scale(task, state)
+        if overlap_grad_reduce:
+            g, w_sum, l_sum, model_state = overlapped(state, batch, scale)
+            grads = jax.tree.map(lambda x: x / (w_sum * scale), g)
+            return finish_step(task.tx, task.health, state, grads, l_sum / (w_sum * scale), w_sum, model_state,
+                               schedule)
         params = vary(state.params)  # this device's copy: its gradient stays local until the pmean below
         g, w, l, model_state = _local_grads(task, loss_fn, params, state.model_state, batch, scale, microbatches, vary)
         w_mean = pmean(w)
@@ -325,7 +367,7 @@ def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, sc
 
 
 def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, schedule=None,
-                         donate: bool = True) -> FlavouredStep:
+                         donate: bool = True, overlap_grad_reduce: bool = False) -> FlavouredStep:
     """The step under shard_map: dp when the rule table replicates every parameter, fsdp (ZeRO-3) when it shards them
     over data-parallel axes, Megatron tp when it splits heads and MLP columns over `tensor` (alone or with either).
     State and batch are laid out as for `task.train_step` (same shardings, same checkpoints).
@@ -336,6 +378,8 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
       loss_fn: `(model, batch) -> (mean_loss, aux)`, as for `Task.train_step`.
       microbatches: k; each device splits its b rows into k sequential microbatches (b % k == 0).
       schedule: the learning-rate schedule, reported as metrics["lr"].
+      overlap_grad_reduce: dp only, one microbatch: all-reduce each layer's gradients inside the backward pass, as
+        soon as that layer's backward is done (a bucket per layer), instead of all of them after it.
     Returns:
       a FlavouredStep whose `(state, batch) -> (state, metrics)` is jitted with the jit step's shardings.
     """
@@ -348,7 +392,19 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
     tensor_parallel = any(TENSOR_AXIS in _spec_axes(spec) for spec in jax.tree.leaves(body_specs))
     sharded = tensor_parallel or any(_spec_axes(spec) for spec in jax.tree.leaves(data_specs))
 
-    if not sharded:  # dp: the whole step per device
+    if overlap_grad_reduce and (sharded or microbatches != 1):
+        raise ConfigError(
+            f"parallel.overlap_grad_reduce runs with strategy dp and one microbatch (each layer's gradients are "
+            f"all-reduced once, in the backward pass), not strategy {task.rules.name!r} with microbatches="
+            f"{microbatches}: set overlap_grad_reduce=false, or strategy=dp and microbatches=1")
+    if not sharded and overlap_grad_reduce:
+        # A layer's gradient is summed inside the backward, so in the replication check's terms the parameters' own
+        # gradients would have to change type from per-device to replicated half-way through autodiff; the check
+        # is off for this body and the test suite proves the numbers instead (tests/test_flavours.py).
+        body = _replicated_step(task, loss_fn, axes=axes, microbatches=microbatches, schedule=schedule,
+                                vary=_identity, overlap_grad_reduce=True)
+        step = _compat.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()), check_vma=False)
+    elif not sharded:  # dp: the whole step per device
         body = _replicated_step(task, loss_fn, axes=axes, microbatches=microbatches, schedule=schedule,
                                 vary=vary_all)
         step = _compat.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
@@ -424,11 +480,20 @@ def pmap_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, sched
 
 
 def build_train_step(task: Task, loss_fn: LossFn, flavour: str = "jit", *, microbatches: int = 1, schedule=None,
-                     donate: bool = True) -> FlavouredStep:
-    """The train step of `flavour` (jit | shard_map | pmap) for `task`, checked before anything compiles."""
+                     donate: bool = True, overlap_grad_reduce: bool = False) -> FlavouredStep:
+    """The train step of `flavour` (jit | shard_map | pmap) for `task`, checked before anything compiles.
+
+    `overlap_grad_reduce` (shard_map dp only) all-reduces each layer's gradients inside the backward pass; under jit
+    XLA schedules the gradient all-reduces itself (and overlaps them with the backward where the backend runs
+    collectives asynchronously)."""
     check_flavour(flavour, task)
+    if overlap_grad_reduce and flavour != "shard_map":
+        raise ConfigError(f"parallel.overlap_grad_reduce is a shard_map option (the step names its collectives); "
+                          f"flavour={flavour} does not take it: set parallel.flavour=shard_map strategy=dp")
+    if flavour == "shard_map":
+        return shard_map_train_step(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate,
+                                    overlap_grad_reduce=overlap_grad_reduce)
     if flavour == "jit":
         return FlavouredStep("jit", task.train_step(loss_fn, microbatches=microbatches, schedule=schedule,
                                                     donate=donate))
-    build = shard_map_train_step if flavour == "shard_map" else pmap_train_step
-    return build(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate)
+    return pmap_train_step(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate)

@@ -158,7 +158,8 @@ class Trainer:
         """(train step of cfg.parallel.flavour, jit eval step); the eval step takes the usual state in every flavour."""
         if self._train_step is None:
             self._train_step = build_train_step(self.task, self.loss_fn, self.cfg.parallel.flavour,
-                                                microbatches=self.cfg.microbatches, schedule=self.schedule)
+                                                microbatches=self.cfg.microbatches, schedule=self.schedule,
+                                                overlap_grad_reduce=self.cfg.parallel.overlap_grad_reduce)
             self._eval_step = self.task.eval_step(self.loss_fn)
         return self._train_step, self._eval_step
 
