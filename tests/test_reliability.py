@@ -7,11 +7,9 @@ with different max_steps follow the same schedule and their common steps can be 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from _cli_runs import cli_env, finish, metrics_by_step, start_pair, start_train
 
 from jaxperf.config import get_config
 from jaxperf.train.checkpoint import Checkpointer
@@ -33,25 +32,9 @@ RUN = [
 ]
 
 
-def _env(tmp_path, devices=8, **extra):
-    flags = f"--xla_force_host_platform_device_count={devices}"
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-            **extra}
-
-
 def _train(tmp_path, args, timeout=240, **env):
     return subprocess.run([sys.executable, "-m", "jaxperf.cli", "train", *RUN, *args], capture_output=True, text=True,
-                          env=_env(tmp_path, **env), cwd=tmp_path, timeout=timeout)
-
-
-def _records(run_dir: Path) -> dict[int, dict]:
-    """step -> the last metrics record of that step (a resumed run appends to the same file)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "loss" in r:
-            out[r["step"]] = r
-    return out
+                          env=cli_env(tmp_path, **env), cwd=tmp_path, timeout=timeout)
 
 
 def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps):
@@ -60,9 +43,8 @@ def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps):
         assert a[s]["batch_crc32"] == b[s]["batch_crc32"], s
 
 
-def _start(tmp_path, args, **env):
-    return subprocess.Popen([sys.executable, "-m", "jaxperf.cli", "train", *RUN, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env(tmp_path, **env), cwd=tmp_path)
+def _start(tmp_path, args, devices=8, **env):
+    return start_train(tmp_path, [*RUN, *args], devices, **env)
 
 
 def _wait_for_steps(run_dir: Path, n: int, proc, timeout=180):
@@ -104,7 +86,7 @@ def test_sigterm_then_ctrl_c_then_resume_match_an_uninterrupted_run(tmp_path):
     assert f"at step {stops[1]}" in last.stdout
     straight = _train(tmp_path, [f"max_steps={end}", "run_dir=straight"])
     assert straight.returncode == 0, straight.stderr[-3000:]
-    a, b = _records(tmp_path / "straight"), _records(run)
+    a, b = metrics_by_step(tmp_path / "straight"), metrics_by_step(run)
     assert sorted(a) == sorted(b) == list(range(1, end + 1))
     _assert_same_steps(a, b, range(1, end + 1))
 
@@ -134,7 +116,7 @@ def test_kill_9_during_async_save_restarts_from_previous_commit(tmp_path):
     driver.write_text(_CRASH_DRIVER)
     args = [*RUN, "max_steps=8", "checkpoint_every=2", "run_dir=run"]
     crashed = subprocess.run([sys.executable, str(driver), "4", *args], capture_output=True, text=True,
-                             env=_env(tmp_path), cwd=tmp_path, timeout=240)
+                             env=cli_env(tmp_path), cwd=tmp_path, timeout=240)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
     leftovers = os.listdir(tmp_path / "run" / "checkpoints")
     assert any(name.startswith("4") and name != "4" for name in leftovers), leftovers  # the uncommitted write
@@ -144,7 +126,7 @@ def test_kill_9_during_async_save_restarts_from_previous_commit(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 2" in resumed.stdout
     straight = _train(tmp_path, ["max_steps=8", "run_dir=straight"])
-    _assert_same_steps(_records(tmp_path / "straight"), _records(tmp_path / "run"), range(1, 9))
+    _assert_same_steps(metrics_by_step(tmp_path / "straight"), metrics_by_step(tmp_path / "run"), range(1, 9))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4", "6", "8"]  # the temporary write is gone
 
 
@@ -184,29 +166,8 @@ def test_resume_onto_another_mesh_is_bitwise_and_trains_on(tmp_path, first, seco
     np.testing.assert_allclose([s2["losses"][k] for k in (3, 4)], [s3["losses"][k] for k in (3, 4)], rtol=2e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def _start_pair(tmp_path, args):
-    port = _free_port()
-    return [_start(tmp_path, args, devices=4, JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-                   JAX_PROCESS_ID=str(i)) for i in range(2)]
-
-
-def _finish(procs, timeout=240):
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out, err))
-    return outs
+    return start_pair(tmp_path, [*RUN, *args])
 
 
 @pytest.mark.slow
@@ -214,19 +175,19 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_everywhere(tmp_path
     procs = _start_pair(tmp_path, ["max_steps=100000", "run_dir=run"])
     _wait_for_steps(tmp_path / "run", 3, procs[0])
     procs[1].send_signal(signal.SIGTERM)  # the process that does not log: the notice must reach the other
-    results = _finish(procs)
+    results = finish(procs)
     for code, out, err in results:
         assert code == 0, err[-3000:]
     stop = _stopped_at(results[0][1])
     with Checkpointer(tmp_path / "run" / "checkpoints") as ckpt:
         assert ckpt.all_steps()[-1] == stop
     end = stop + 3
-    resumed = _finish(_start_pair(tmp_path, [f"max_steps={end}", "run_dir=run"]))
-    straight = _finish(_start_pair(tmp_path, [f"max_steps={end}", "run_dir=straight"]))
+    resumed = finish(_start_pair(tmp_path, [f"max_steps={end}", "run_dir=run"]))
+    straight = finish(_start_pair(tmp_path, [f"max_steps={end}", "run_dir=straight"]))
     for code, out, err in resumed + straight:
         assert code == 0, err[-3000:]
     assert f"at step {stop}" in resumed[0][1]
-    a, b = _records(tmp_path / "straight"), _records(tmp_path / "run")
+    a, b = metrics_by_step(tmp_path / "straight"), metrics_by_step(tmp_path / "run")
     _assert_same_steps(a, b, range(1, end + 1))
 
 
