@@ -154,16 +154,33 @@ def test_flavour_matches_single_device_jit(name, single_device):
             np.testing.assert_array_equal(replicas, np.broadcast_to(replicas[:1], replicas.shape), err_msg=path)
 
 
-def _all_reduces_by_computation(hlo: str) -> dict[str, list[str]]:
-    """{computation name ("ENTRY" for the entry): [its all-reduce instructions]} of a compiled program's text."""
+def _collectives_by_computation(hlo: str, op: str = "all-reduce") -> dict[str, list[str]]:
+    """{computation name ("ENTRY" for the entry): [its `op` instructions]} of a compiled program's text."""
     out: dict[str, list[str]] = {}
     current = None
     for line in hlo.splitlines():
         if line and not line.startswith(" ") and line.rstrip().endswith("{"):
             current = "ENTRY" if line.startswith("ENTRY") else line.split(" ")[0]
-        elif " all-reduce(" in line or " all-reduce-start(" in line:
+        elif f" {op}(" in line or f" {op}-start(" in line:
             out.setdefault(current, []).append(line.strip())
     return out
+
+
+def test_shard_map_fsdp_gathers_each_layer_inside_the_layer_loop():
+    """ZeRO-3 under shard_map: a layer's weight shards are all-gathered inside the forward scan over layers and its
+    gradient reduce-scattered inside the backward scan; only the embeddings and final norm are handled outside."""
+    task, sched = _task("fsdp", dict(data=2, fsdp=4))
+    step = build_train_step(task, next_token_loss, "shard_map", schedule=sched)
+    batch = jax.device_put(_batches(1)[0], task.batch_sharding())
+    hlo = step.fn.lower(task.init_state(), batch).compile().as_text()
+    for op in ("all-gather", "reduce-scatter"):
+        where = _collectives_by_computation(hlo, op)
+        in_loops = [x for comp, xs in where.items() if comp != "ENTRY" for x in xs]
+        # One layer's wq shard [8, 4, 8] of [32, 4, 8] (embed over fsdp=4): no leading layers axis, so per layer.
+        assert any("f32[8,4,8]" in x or "f32[32,4,8]" in x for x in in_loops), (op, where)
+        # Outside the loops: embed, positions, final-norm scale and bias, nothing stacked over layers.
+        outside = where.get("ENTRY", [])
+        assert len(outside) == 4 and not any("f32[2," in x for x in outside), (op, outside)
 
 
 def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(single_device):
@@ -176,7 +193,7 @@ def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(
         step = build_train_step(task, next_token_loss, "shard_map", schedule=sched, overlap_grad_reduce=overlap)
         state = task.init_state()
         batches = [jax.device_put(b, task.batch_sharding()) for b in _batches(STEPS)]
-        placement[overlap] = _all_reduces_by_computation(step.fn.lower(state, batches[0]).compile().as_text())
+        placement[overlap] = _collectives_by_computation(step.fn.lower(state, batches[0]).compile().as_text())
         losses = []
         for batch in batches:
             state, metrics = step(state, batch)

@@ -10,11 +10,14 @@
                differentiates its own rows, `lax.pmean` averages the gradients, and every device applies the same
                optimizer update to its own copy; the whole step runs inside the shard_map.
              fsdp (ZeRO-3): each device stores 1/n of every parameter and of its optimizer moments, placed exactly as
-               the jit fsdp strategy places them (the rule table's `embed` dim over `fsdp`). The body all-gathers the
-               parameters (`lax.all_gather(..., tiled=True)` along the sharded dim), differentiates its rows with the
-               whole parameters, and reduce-scatters the gradients (`lax.psum_scatter` on that same dim) so that each
-               device ends with the batch-summed gradient of exactly the shard it stores; a parameter whose dims do
-               not divide stays whole and its gradient is `lax.psum`med. The optimizer update is then applied in the
+               the jit fsdp strategy places them (the rule table's `embed` dim over `fsdp`). Each layer's weights are
+               all-gathered (`lax.all_gather(..., tiled=True)` along the sharded dim) when that layer runs, inside
+               the scan over layers (the model hands them over through `on_layer_params`), and autodiff turns each
+               gather into a reduce-scatter (`lax.psum_scatter`) inside the backward scan, so each device ends with
+               the batch-summed gradient of exactly the shard it stores, layer by layer; the embeddings and final
+               norm are gathered before and reduce-scattered after. (A model without stacked layers under `blocks`
+               gets all its parameters gathered at once.) A parameter whose dims do not divide stays whole and its
+               gradient is `lax.psum`med. The optimizer update is then applied in the
                jit around the shard_map, to shards that live where their gradients do: it is elementwise, so each
                device updates only its 1/n, and its one global quantity (the gradient norm for clipping) becomes a
                scalar all-reduce. Doing the update inside the shard_map would let clip_by_global_norm see one shard's
@@ -263,21 +266,30 @@ def _reduce_scatter(grad, spec: P, axes: tuple[str, ...]):
 # Per-device pieces shared by the flavours
 
 
-def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale, microbatches: int, vary):
+def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale, microbatches: int, vary,
+                 weighted: bool = False):
     """This device's (Σ grads·w, Σ w, Σ loss·w, model state) over its k microbatches, with no communication.
 
-    `params` must already be per-device values; `vary` marks a fresh constant as one (the accumulators).
+    `params` must already be per-device values; `vary` marks a fresh constant as one (the accumulators). With
+    `weighted` the loss is multiplied by its weight before differentiating (needed when a collective inside the
+    backward sums gradients across devices, so that it sums weighted ones); the result is the same.
     """
 
     def scaled_loss(model, mb, s):
         loss, aux = loss_fn(model, mb)
+        if weighted:
+            loss = loss * jnp.asarray(aux.get("weight", 1.0), jnp.float32)
         return loss * s, aux
+
+    def weigh(loss, w, g):  # (loss·w, grads·w) of one microbatch
+        return (loss, g) if weighted else (loss * w, jax.tree.map(lambda x: x * w, g))
 
     zero = vary(jnp.zeros((), jnp.float32))
     if microbatches == 1:
         loss, w, _, model_state, g = task._grads(scaled_loss, params, model_state, batch, scale)
+        lw, gw = weigh(loss, w, g)
         # `zero +` keeps a weight that does not depend on the rows (a loss without aux["weight"]) per device too.
-        return jax.tree.map(lambda x: x * w, g), zero + w, zero + loss * w, model_state
+        return gw, zero + w, zero + lw, model_state
 
     rows = jax.tree.leaves(batch)[0].shape[0]
     if rows % microbatches:
@@ -291,7 +303,8 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
     def body(carry, mb):
         g_sum, w_sum, l_sum, ms = carry
         loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale)
-        return (jax.tree.map(lambda a, b: a + b * w, g_sum, g), w_sum + w, l_sum + loss * w, ms), None
+        lw, gw = weigh(loss, w, g)
+        return (jax.tree.map(jnp.add, g_sum, gw), w_sum + w, l_sum + lw, ms), None
 
     zeros = jax.tree.map(lambda p: _varying_like(jnp.zeros(p.shape, p.dtype), p), params)
     init = (zeros, zero, zero, model_state)
@@ -301,6 +314,50 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
 
 def _loss_scale(task: Task, state: TrainState):
     return state.health["loss_scale"] if task.health.loss_scale else jnp.ones((), jnp.float32)
+
+
+def _stacked_layers(task: Task) -> bool:
+    """Whether the task's parameters keep their layers stacked under LAYERS_KEY (a scanned model)."""
+    axes = task.param_axes.get(LAYERS_KEY) if isinstance(task.param_axes, dict) else None
+    leaves = jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple)) if axes else []
+    return bool(leaves) and all(isinstance(a, tuple) and a[:1] == ("layers",) for a in leaves)
+
+
+def _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale, microbatches, data_specs, axes,
+                          vary, whole, missing):
+    """fsdp under shard_map with the layers' weights gathered inside the layer scan, as each layer runs.
+
+    The layers' parameters stay shards; `on_layer_params` (the model calls it for every layer) all-gathers that
+    layer's slice. Autodiff transposes each all-gather into a reduce-scatter inside the backward scan, so every
+    layer's gradient leaves the backward already summed over `fsdp` and cut to this device's shard; what is left is
+    a psum over data-parallel axes the parameter is not sharded over. The loss is weighted before differentiating so
+    those in-backward sums are sums of weighted gradients. Everything else (embeddings, final norm) is gathered whole
+    up front and reduce-scattered after, as in the all-at-once path.
+    """
+    layer_specs = jax.tree.map(lambda spec: P(*tuple(spec)[1:]), data_specs[LAYERS_KEY],
+                               is_leaf=lambda x: isinstance(x, P))
+    spec_leaves = jax.tree.leaves(layer_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def gather_layer(layer_params):
+        leaves, treedef = jax.tree.flatten(layer_params)
+        if len(leaves) != len(spec_leaves):
+            raise ValueError(f"on_layer_params got {len(leaves)} arrays for a layer whose parameters under "
+                             f"{LAYERS_KEY!r} are {len(spec_leaves)}")
+        return jax.tree.unflatten(treedef, [_gather(x, sp) for x, sp in zip(leaves, spec_leaves)])
+
+    params = {k: (jax.tree.map(lambda b, spec: _cast_varying(b, missing(spec)), v, data_specs[k])
+                  if k == LAYERS_KEY else jax.tree.map(whole, v, data_specs[k]))
+              for k, v in param_blocks.items()}
+    with layer_params_hook(gather_layer) as hook:
+        g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches, vary,
+                                            weighted=True)
+    if hook.calls == 0:
+        raise ConfigError(f"the model keeps stacked layers under {LAYERS_KEY!r} but never passed them through "
+                          f"jaxperf.parallel.rules.on_layer_params, so fsdp under shard_map cannot gather them")
+    g = {k: (jax.tree.map(lambda x, spec: _sum_over(x, missing(spec)), v, data_specs[k]) if k == LAYERS_KEY
+             else jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), v, data_specs[k]))
+         for k, v in g.items()}
+    return g, _sum_over(w, axes), _sum_over(l, axes), model_state
 
 
 def _psum_in_backward(axes: tuple[str, ...]):
@@ -410,11 +467,18 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
         step = _compat.shard_map(body, mesh=mesh, in_specs=(P(), batch_spec), out_specs=(P(), P()))
     else:  # fsdp and/or tp: gather, local grads, reduce-scatter; the update on the shards outside
 
+        per_layer = not tensor_parallel and _stacked_layers(task)
+
+        def missing(spec):  # data-parallel axes a parameter is not sharded over: its gradient is psummed there
+            return tuple(a for a in axes if a not in _spec_axes(spec))
+
         def grads_body(param_blocks, model_state, batch, scale):
             def whole(block, spec):  # whole over the data-parallel axes; tp blocks stay this device's own
-                missing = tuple(a for a in axes if a not in _spec_axes(spec))
-                return _cast_varying(_gather(block, spec), missing)
+                return _cast_varying(_gather(block, spec), missing(spec))
 
+            if per_layer:  # ZeRO-3 proper: each layer's weights gathered when the layer runs, one layer at a time
+                return _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale, microbatches,
+                                             data_specs, axes, vary_all, whole, missing)
             params = jax.tree.map(whole, param_blocks, data_specs)
             if tensor_parallel:
                 with explicit_tensor_parallel(TENSOR_AXIS):
