@@ -57,7 +57,9 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, materialise_grad: bool |
     lead = x.shape[: x.ndim - n_in]
     k = math.prod(in_shape)
     y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out_shape))
-    if materialise_grad if materialise_grad is not None else jax.default_backend() == "cpu":
+    if materialise_grad is None:
+        materialise_grad = jax.default_backend() == "cpu"
+    if materialise_grad:
         y = _materialise_cotangent(y)
     return y.reshape(*lead, *out_shape)
 

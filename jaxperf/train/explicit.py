@@ -55,6 +55,7 @@ Legend: n devices on the data-parallel axes, B global batch rows, b = B / n rows
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -130,17 +131,18 @@ def _batch_spec(axes: tuple[str, ...]) -> P:
     return P(axes[0] if len(axes) == 1 else axes)
 
 
+def _flat_by_path(tree, is_leaf=None) -> dict[str, Any]:
+    """{"blocks/attn/wq_DxHxDh": leaf, ...} of a parameter-shaped tree."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    return {"/".join(str(getattr(k, "key", k)) for k in path): leaf for path, leaf in leaves}
+
+
 def _flat_specs(task: Task) -> list[tuple[str, P]]:
-    leaves = jax.tree_util.tree_flatten_with_path(task.param_shardings)[0]
-    return [("/".join(str(getattr(k, "key", k)) for k in path), s.spec) for path, s in leaves]
+    return [(path, s.spec) for path, s in _flat_by_path(task.param_shardings).items()]
 
 
 def _entry(names: tuple[str, ...]):
     return None if not names else names[0] if len(names) == 1 else names
-
-
-def _tensor_size(task: Task) -> int:
-    return task.mesh.shape.get(TENSOR_AXIS, 1)
 
 
 def _body_specs(task: Task):
@@ -166,16 +168,11 @@ def _body_specs(task: Task):
 
 def _check_tensor_split(task: Task) -> None:
     """Megatron under shard_map needs every heads / kv_heads / mlp dim split over `tensor`, and split over it alone."""
-    t = _tensor_size(task)
+    t = task.mesh.shape.get(TENSOR_AXIS, 1)
     if t == 1:
         return
-    flat_axes = dict(
-        ("/".join(str(getattr(k, "key", k)) for k in path), v)
-        for path, v in jax.tree_util.tree_flatten_with_path(
-            task.param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))[0])
-    shapes = dict(
-        ("/".join(str(getattr(k, "key", k)) for k in path), v.shape)
-        for path, v in jax.tree_util.tree_flatten_with_path(task.abstract_params)[0])
+    flat_axes = _flat_by_path(task.param_axes, is_leaf=lambda x: x is None or isinstance(x, tuple))
+    shapes = {path: v.shape for path, v in _flat_by_path(task.abstract_params).items()}
     for path, spec in _flat_specs(task):
         logical = tuple(flat_axes.get(path) or ())
         for dim, name in enumerate(logical):
@@ -383,16 +380,13 @@ def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, sc
     a bucket each) and the rest (embeddings, final norm) after it; the loss is weighted by the device's token count
     before differentiating, so the sums are the same weighted sums the pmean path forms."""
     pmean = (lambda x: lax.pmean(x, axes)) if axes else _identity  # no axes: a one-device mesh
-    psum = (lambda x: lax.psum(x, axes)) if axes else _identity
+    psum = lambda x: _sum_over(x, axes)  # noqa: E731
 
     def overlapped(state: TrainState, batch, scale):
-        def weighted_loss(model, mb, s):
-            loss, aux = loss_fn(model, mb)
-            return loss * jnp.asarray(aux.get("weight", 1.0), jnp.float32) * s, aux
-
         params = vary(state.params)
         with layer_params_hook(_psum_in_backward(axes)) as hook:
-            lw, w, _, model_state, g = task._grads(weighted_loss, params, state.model_state, batch, scale)
+            g, w, lw, model_state = _local_grads(task, loss_fn, params, state.model_state, batch, scale, 1, vary,
+                                                 weighted=True)
         if hook.calls == 0 or not isinstance(g, dict) or LAYERS_KEY not in g:
             raise ConfigError(
                 f"parallel.overlap_grad_reduce needs a model that keeps its layers' parameters under "
@@ -480,11 +474,7 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
                 return _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale, microbatches,
                                              data_specs, axes, vary_all, whole, missing)
             params = jax.tree.map(whole, param_blocks, data_specs)
-            if tensor_parallel:
-                with explicit_tensor_parallel(TENSOR_AXIS):
-                    g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale,
-                                                        microbatches, vary_all)
-            else:
+            with explicit_tensor_parallel(TENSOR_AXIS) if tensor_parallel else contextlib.nullcontext():
                 g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
                                                     vary_all)
             g = jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), g, data_specs)
