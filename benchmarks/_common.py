@@ -3,9 +3,10 @@
     rec = record("hardware", "matmul", 12.3, "TFLOP/s", peak=989e12, value_per_s=12.3e12, dtype="bfloat16")
     emit(rec)        # one JSON line on stdout
 
-A record always carries the device kind, platform, number of devices, jax/flax versions and the date, so a
-results.jsonl collected on several machines stays readable. `pct_of_peak` is present only where a hardware limit is
-known (jaxperf.perf.hardware): a figure without a ceiling is not given a made-up one.
+A record always carries the device kind, platform, number of devices, jax/flax versions, whether host memory had
+transparent huge pages (jaxperf.perf.hostmem) and the date, so a results.jsonl collected on several machines stays
+readable. `pct_of_peak` is present only where a hardware limit is known (jaxperf.perf.hardware): a figure without a
+ceiling is not given a made-up one.
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ def context() -> dict[str, Any]:
     """Device, platform, device count, versions and date: the part of a record that says where it was measured."""
     import flax
 
+    from jaxperf.perf.hostmem import host_memory
+
     devices = jax.devices()
     return {
         "device": devices[0].device_kind,
         "platform": jax.default_backend(),
         "n_devices": len(devices),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version()},
+        "host_huge_pages": host_memory().huge_pages,  # XLA:CPU figures depend on it (jaxperf.perf.hostmem)
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
 from _common import emit, record
 
 NAME = "async_dispatch"
@@ -128,4 +129,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main(sys.argv[1:])

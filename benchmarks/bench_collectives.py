@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
 from _common import check_close, emit, record
 from jaxperf import _compat
 from jaxperf.parallel import collectives as C
@@ -150,4 +151,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main(sys.argv[1:])

@@ -28,6 +28,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside 
 import jax
 import jax.numpy as jnp
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
 from _common import check_close, emit, make_train_step, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
@@ -119,4 +120,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main(sys.argv[1:])

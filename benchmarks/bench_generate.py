@@ -25,6 +25,7 @@ import numpy as np
 if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages  # noqa: E402
 from _common import emit, record  # noqa: E402
 
 
@@ -102,4 +103,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main()

@@ -27,6 +27,7 @@ import numpy as np
 if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages  # noqa: E402
 from _common import check_close, emit, make_train_step, peak_flops, record  # noqa: E402
 
 NAME = "parallel"
@@ -136,4 +137,5 @@ def step_mesh(cfg) -> dict[str, int]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main()

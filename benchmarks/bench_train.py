@@ -12,7 +12,8 @@ Peer: benchmarks/peers/torch_gpt.py, the same architecture, initialisation, Adam
 batch and sequence length, timed the same way, in a subprocess (so its threads and ours never compete) run by
 `--peer-python` (default: $JAXPERF_PEER_PYTHON, else this interpreter when it can import torch; with neither, a
 record says the peer was skipped and why). Modes: on CPU eager and torch.compile, on GPU torch.compile. A failing
-mode is reported with its error string. The ratio record is jaxperf tokens/s / peer tokens/s.
+mode is reported with its error string. Host memory is matched: where jaxperf runs with transparent huge pages, so
+does the peer (`peer.host_env` in its record). The ratio record is jaxperf tokens/s / peer tokens/s.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ if str(HERE) not in sys.path:  # _common and bench_train_step sit beside this sc
 
 import jax
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
 from _common import emit, record
 
 NAME = "train"
@@ -63,18 +65,33 @@ def peer_config(cfg, steps: int, warmup: int, mode: str, device: str) -> dict:
             "mode": mode, "device": device, "seed": 0}
 
 
+def peer_env() -> tuple[dict[str, str], dict[str, str]]:
+    """(environment for the peer, the host-memory settings in it that differ from this process's).
+
+    Where this process has transparent huge pages (jaxperf.perf.hostmem), the peer gets them too: it inherits
+    GLIBC_TUNABLES, and PyTorch's own switch THP_MEM_ALLOC_ENABLE=1 puts its large CPU tensors on huge pages.
+    """
+    from jaxperf.perf.hostmem import host_memory
+
+    env, changed = dict(os.environ), {}
+    if host_memory().huge_pages and "THP_MEM_ALLOC_ENABLE" not in env:
+        env["THP_MEM_ALLOC_ENABLE"] = changed["THP_MEM_ALLOC_ENABLE"] = "1"
+    return env, changed
+
+
 def run_peer(python: str, config: dict, timeout_s: float) -> dict:
     """Run the peer script; its JSON line, or {"error": ...} when it could not run or printed none."""
     cmd = [python, str(PEER_SCRIPT), "--config", json.dumps(config)]
+    env, changed = peer_env()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"the peer ran past --peer-timeout={timeout_s:g} s"}
     except OSError as e:
         return {"error": f"cannot start the peer interpreter {python!r}: {e}"}
     for line in reversed(proc.stdout.strip().splitlines()):
         if line.startswith("{"):
-            return json.loads(line)
+            return {**json.loads(line), "host_env": {"GLIBC_TUNABLES": env.get("GLIBC_TUNABLES", ""), **changed}}
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"the peer exited with {proc.returncode} and printed no result: {' | '.join(tail)}"}
 
@@ -153,4 +170,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main(sys.argv[1:])

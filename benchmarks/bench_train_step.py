@@ -20,6 +20,8 @@ import time
 import jax
 import numpy as np
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
+
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -113,4 +115,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
     main(sys.argv[1:])

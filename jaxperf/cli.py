@@ -71,6 +71,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"mesh: {e}")
     print(format_info(describe(devices[0])))
+    if jax.default_backend() == "cpu":
+        from jaxperf.perf.hostmem import host_memory
+
+        print(host_memory().describe())
     return 0
 
 
@@ -112,5 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     return args.fn(args)
 
 
-if __name__ == "__main__":
+def run() -> None:
+    """The `jaxperf` command: on XLA:CPU hosts restart once with huge pages (jaxperf.perf.hostmem), then main()."""
+    from jaxperf.perf.hostmem import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

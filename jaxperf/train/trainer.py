@@ -332,6 +332,12 @@ class Trainer:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         _log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, flavour {self.cfg.parallel.flavour}, "
              f"{format_report(report, self.mesh)}")
+        if jax.default_backend() == "cpu":
+            from jaxperf.perf.hostmem import host_memory
+
+            host = host_memory()
+            if host.can_enable:  # the step would run faster restarted with huge pages: say how
+                _log(host.describe())
         for name, r in report.items():
             if r["ratio_to_expected"] > 1.5:
                 _log(f"warning: {name} uses {r['ratio_to_expected']:.1f}x the expected bytes per device: some dims "

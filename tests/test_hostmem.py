@@ -1,0 +1,114 @@
+"""Host memory: huge pages for XLA:CPU's per-run buffers (jaxperf.perf.hostmem) and the restart that turns them on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxperf.perf import hostmem
+from jaxperf.perf.hostmem import TUNABLE, HostMemory, host_memory, with_huge_pages
+
+
+def _plain_env() -> dict[str, str]:
+    """This environment without the tunable (so a child starts as a user's program would)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostmem.OPT_OUT, hostmem._RESTARTED)}
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("XLA_FLAGS", None)  # one device is enough here
+    return env
+
+
+needs_madvise_thp = pytest.mark.skipif(not host_memory(_plain_env()).can_enable,
+                                       reason="needs glibc >= 2.35 and transparent huge pages in madvise mode")
+
+
+def test_thp_mode_reads_the_bracketed_choice(tmp_path):
+    f = tmp_path / "enabled"
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("always madvise [never]\n", "never")):
+        f.write_text(text)
+        assert hostmem._thp_mode(f) == mode
+    assert hostmem._thp_mode(tmp_path / "missing") is None
+
+
+def test_with_huge_pages_appends_to_other_tunables_and_keeps_a_users_choice():
+    assert with_huge_pages({})["GLIBC_TUNABLES"] == f"{TUNABLE}=1"
+    env = with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TUNABLE}=1" and env["HOME"] == "/h"
+    assert with_huge_pages({"GLIBC_TUNABLES": f"{TUNABLE}=0"})["GLIBC_TUNABLES"] == f"{TUNABLE}=0"
+    assert hostmem._tunable_value({"GLIBC_TUNABLES": f"a.b=1:{TUNABLE}=2"}) == "2"
+
+
+@pytest.mark.parametrize("glibc,mode,tunable,on,can", [
+    ((2, 36), "madvise", None, False, True),
+    ((2, 36), "madvise", "1", True, False),
+    ((2, 36), "madvise", "0", False, False),  # the user said no
+    ((2, 36), "always", None, True, False),  # the kernel already does it
+    ((2, 36), "never", None, False, False),
+    ((2, 31), "madvise", None, False, False),  # no such tunable before glibc 2.35
+    (None, "madvise", None, False, False),  # not glibc
+])
+def test_when_huge_pages_are_on_and_when_a_restart_would_help(glibc, mode, tunable, on, can):
+    h = HostMemory(glibc, mode, tunable)
+    assert (h.huge_pages, h.can_enable) == (on, can)
+    text = h.describe()
+    assert text.startswith("host huge pages: on" if on else "host huge pages: off")
+    if can:
+        assert f"GLIBC_TUNABLES={TUNABLE}=1" in text
+
+
+CHILD = textwrap.dedent("""
+    import json, resource
+    import jax, jax.numpy as jnp
+    from jaxperf.perf.hostmem import host_memory
+
+    def f(x, w):  # two 32 MiB intermediates and more: an 84 MB temporary buffer, allocated on every run
+        a = jnp.tanh(x @ w)
+        b = jnp.sin(a) @ w.T
+        c = jnp.cos(b) @ w
+        return (a * c).sum() + b.sum()
+
+    x = jnp.full((2048, 2048), 0.01, jnp.float32)
+    w = jnp.full((2048, 4096), 0.01, jnp.float32)
+    c = jax.jit(f).lower(x, w).compile()
+    for _ in range(3):
+        c(x, w).block_until_ready()
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        c(x, w).block_until_ready()
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 5
+    print(json.dumps({"temp_bytes": c.memory_analysis().temp_size_in_bytes, "faults_per_run": faults,
+                      "huge_pages": host_memory().huge_pages}))
+""")
+
+
+def _faults(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_madvise_thp
+def test_huge_pages_stop_the_per_run_page_faults_of_the_temporary_buffer():
+    plain = _faults(_plain_env())
+    huge = _faults(with_huge_pages(_plain_env()))
+    pages = plain["temp_bytes"] / 4096
+    assert plain["temp_bytes"] > 64 * 2**20  # big enough that malloc maps it afresh on every run
+    assert not plain["huge_pages"] and huge["huge_pages"]
+    assert plain["faults_per_run"] > 0.5 * pages, plain  # each run faults the buffer in again, 4 KiB at a time
+    assert huge["faults_per_run"] < 0.1 * pages, (huge, plain)  # 2 MiB at a time
+
+
+@needs_madvise_thp
+def test_the_jaxperf_command_restarts_itself_with_huge_pages_unless_told_not_to():
+    cmd = [sys.executable, "-m", "jaxperf.cli", "info"]
+    on = subprocess.run(cmd, env=_plain_env(), capture_output=True, text=True, timeout=300)
+    assert on.returncode == 0, on.stderr[-2000:]
+    assert f"host huge pages: on ({TUNABLE}=1)" in on.stdout
+    off = subprocess.run(cmd, env={**_plain_env(), hostmem.OPT_OUT: "0"}, capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert f"host huge pages: off; start Python with GLIBC_TUNABLES={TUNABLE}=1" in off.stdout
