@@ -6,6 +6,7 @@ Submodules import lazily heavy dependencies (matplotlib, flatbuffers) only where
 from jaxperf.perf.compile import aot_compile, enable_compilation_cache, export_fn, export_forward, load_exported
 from jaxperf.perf.flops import flops_per_token, matmul_params, recompute_flops_per_token
 from jaxperf.perf.hardware import CHIPS, Chip, chip_for, describe, format_info, peak_bandwidth, peak_flops
+from jaxperf.perf.hostmem import HostMemory, host_memory, reexec_with_huge_pages
 from jaxperf.perf.memory import (
     MemoryEstimate, OutOfMemoryAdvice, advise, check_fits, compiled_memory, estimate, live_device_memory,
 )
@@ -14,9 +15,10 @@ from jaxperf.perf.roofline import DeviceSpec, RooflinePoint, analyze, plot
 from jaxperf.perf.timing import StepTimer, Timing, benchmark
 
 __all__ = [
-    "CHIPS", "Chip", "DeviceSpec", "MemoryEstimate", "OutOfMemoryAdvice", "RooflinePoint", "StepTimer", "Timing",
-    "advise", "analyze", "aot_compile", "audit_host_syncs", "benchmark", "check_fits", "chip_for", "compiled_memory",
-    "describe", "enable_compilation_cache", "estimate", "export_fn", "export_forward", "flops_per_token",
-    "format_info", "live_device_memory", "load_exported", "matmul_params", "peak_bandwidth", "peak_flops", "plot",
-    "recompute_flops_per_token", "step_annotation", "trace",
+    "CHIPS", "Chip", "DeviceSpec", "HostMemory", "MemoryEstimate", "OutOfMemoryAdvice", "RooflinePoint", "StepTimer",
+    "Timing", "advise", "analyze", "aot_compile", "audit_host_syncs", "benchmark", "check_fits", "chip_for",
+    "compiled_memory", "describe", "enable_compilation_cache", "estimate", "export_fn", "export_forward",
+    "flops_per_token", "format_info", "host_memory", "live_device_memory", "load_exported", "matmul_params",
+    "peak_bandwidth", "peak_flops", "plot", "recompute_flops_per_token", "reexec_with_huge_pages", "step_annotation",
+    "trace",
 ]
