@@ -15,9 +15,12 @@ your own program, start Python with it:
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py
 
-It does nothing where it cannot help: not glibc (or glibc before 2.35, which lacks the tunable), transparent huge
-pages set to `never` or `always` in /sys/kernel/mm/transparent_hugepage/enabled, the tunable already set, or
-JAXPERF_HUGE_PAGES=0 in the environment (the way to turn it off).
+It changes host memory only: on GPU and TPU hosts device buffers do not come from malloc, and host arrays on huge
+pages cost at most a little resident memory, so it is not limited to the CPU platform (finding the platform would
+start the backends before the restart). It does nothing where it cannot help: not glibc (or glibc before 2.35,
+which lacks the tunable), transparent huge pages set to `never` or `always` in
+/sys/kernel/mm/transparent_hugepage/enabled, the tunable already set, or JAXPERF_HUGE_PAGES=0 in the environment
+(the way to turn it off).
 """
 
 from __future__ import annotations
