@@ -100,7 +100,8 @@ def test_huge_pages_stop_the_per_run_page_faults_of_the_temporary_buffer():
     assert plain["temp_bytes"] > 64 * 2**20  # big enough that malloc maps it afresh on every run
     assert not plain["huge_pages"] and huge["huge_pages"]
     assert plain["faults_per_run"] > 0.5 * pages, plain  # each run faults the buffer in again, 4 KiB at a time
-    assert huge["faults_per_run"] < 0.1 * pages, (huge, plain)  # 2 MiB at a time
+    # 2 MiB at a time: 26x fewer faults with jax 0.10.2, 8x with 0.12 (which maps some smaller blocks beside it)
+    assert huge["faults_per_run"] < plain["faults_per_run"] / 4, (huge, plain)
 
 
 @needs_madvise_thp
