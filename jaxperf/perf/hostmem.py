@@ -40,7 +40,7 @@ THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def _glibc_version() -> tuple[int, int] | None:
     try:
         fn = ctypes.CDLL(None).gnu_get_libc_version
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL wants a name
         return None  # not glibc (musl, macOS, Windows)
     fn.restype = ctypes.c_char_p
     major, minor = fn().decode().split(".")[:2]
