@@ -42,7 +42,8 @@ from jaxperf.config import ModelConfig, validate_model
 
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 # ModelConfig fields that change how the model runs but not what it computes: safe to override on import.
-RUNTIME_FIELDS = ("dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention_impl", "norm_impl", "loss_impl")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention_impl", "norm_impl",
+                  "loss_impl")
 
 
 class HFCheckpointError(ValueError):

@@ -26,6 +26,7 @@ which lacks the tunable), transparent huge pages set to `never` or `always` in
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ _RESTARTED = "_JAXPERF_HUGE_PAGES_RESTARTED"  # set on the restarted process: ne
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+@functools.cache  # fixed for the process; benchmark records ask on every record
 def _glibc_version() -> tuple[int, int] | None:
     try:
         fn = ctypes.CDLL(None).gnu_get_libc_version

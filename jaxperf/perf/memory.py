@@ -34,8 +34,10 @@ iteration recomputes one layer. With the layers unrolled XLA schedules the whole
 measured no saving at all (tiny preset, d_model 64, 2 layers, fsdp=8, remat=full: 2.8 MB of temporaries scanned,
 5.6 MB unrolled, 5.5 MB unrolled without remat); use `scan_unroll=1` where remat is meant to save memory. Without
 remat the estimate fits unrolled layers best: on XLA:CPU a rolled scan keeps more per layer than modelled (estimate /
-compiled 0.62-0.68 for d_model 64-128, rolled, remat none; 0.83-0.96 unrolled; 1.18 rolled with remat=full). tests/test_perf.py checks it against `compiled_memory` of the real step on the CPU mesh: the estimate's
-total against argument + temp bytes of the compiled step, within 25%.
+compiled 0.62-0.68 for d_model 64-128, rolled, remat none; 0.83-0.96 unrolled; 1.18 rolled with remat=full).
+
+tests/test_perf.py checks it against `compiled_memory` of the real step on the CPU mesh: the estimate's total against
+argument + temp bytes of the compiled step, within 25%.
 """
 
 from __future__ import annotations
