@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import platform
 from typing import Any
 
@@ -60,11 +61,20 @@ def record(benchmark: str, name: str, value: float | None, unit: str, *, peak: f
     return rec
 
 
+def strict_json(x):
+    """NaN and inf become None (recursively), so every line of results.jsonl is strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: strict_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [strict_json(v) for v in x]
+    return x
+
+
 def emit(rec: dict[str, Any]) -> dict[str, Any]:
     """Print a record as one JSON line (NaN/inf become null, so every line is strict JSON) and return it."""
-    from jaxperf.perf.bench import _finite  # the runner's own strict-JSON rule
-
-    print(json.dumps(_finite(rec)), flush=True)
+    print(json.dumps(strict_json(rec)), flush=True)
     return rec
 
 

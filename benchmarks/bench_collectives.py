@@ -22,16 +22,13 @@ import argparse
 import sys
 from pathlib import Path
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxperf.perf.hostmem import reexec_with_huge_pages
-from _common import check_close, emit, record
+from jaxperf.benchmarks._common import check_close, emit, record
 from jaxperf import _compat
 from jaxperf.parallel import collectives as C
 from jaxperf.perf.hardware import chip_for
@@ -114,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="three sizes, few iterations: seconds on CPU (CI)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per point (default 5 tiny, 20 otherwise)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the PNG")
+    p.add_argument("--out", default="bench_results", help="folder for the PNG")
     a = p.parse_args(argv)
     devices = jax.devices()
     n = len(devices)

@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
 
 from jaxperf.perf.hostmem import reexec_with_huge_pages
-from _common import check_close, emit, make_train_step, peak_flops, record
+from jaxperf.benchmarks._common import check_close, emit, make_train_step, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
 NAME = "compiled_vs_eager"

@@ -16,17 +16,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from jaxperf.perf.hostmem import reexec_with_huge_pages  # noqa: E402
-from _common import emit, record  # noqa: E402
+from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.benchmarks._common import emit, record
 
 
 def _check(model, gen, prompt: list[int], vocab: int) -> None:

@@ -18,17 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxperf.perf.hostmem import reexec_with_huge_pages
-from _common import emit, peak_bandwidth, peak_flops, record
+from jaxperf.benchmarks._common import emit, peak_bandwidth, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
 NAME = "kernels"

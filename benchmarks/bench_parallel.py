@@ -24,11 +24,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-if str(Path(__file__).resolve().parent) not in sys.path:  # _common sits beside this script
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from jaxperf.perf.hostmem import reexec_with_huge_pages  # noqa: E402
-from _common import check_close, emit, make_train_step, peak_flops, record  # noqa: E402
+from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.benchmarks._common import check_close, emit, make_train_step, peak_flops, record
 
 NAME = "parallel"
 OVERLAP = "parallel.overlap_grad_reduce=true"
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--tiny", action="store_true", help="a smaller model and fewer steps")
     p.add_argument("--steps", type=int, default=None, help="timed steps per pair (default 10, 3 with --tiny)")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="folder for the PNG")
+    p.add_argument("--out", default="bench_results", help="folder for the PNG")
     p.add_argument("overrides", nargs="*", help="config key=value for every pair")
     a = p.parse_args(argv)
     from jaxperf.perf.flops import flops_per_token

@@ -30,14 +30,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # _common and bench_train_step sit beside this script
-    sys.path.insert(0, str(HERE))
-
 import jax
 
+from jaxperf.benchmarks import bench_train_step
+from jaxperf.benchmarks._common import emit, record
 from jaxperf.perf.hostmem import reexec_with_huge_pages
-from _common import emit, record
+
+HERE = Path(__file__).resolve().parent
 
 NAME = "train"
 PEER_SCRIPT = HERE / "peers" / "torch_gpt.py"
@@ -98,8 +97,6 @@ def run_peer(python: str, config: dict, timeout_s: float) -> dict:
 
 
 def bench_jaxperf(preset: str, overrides: list[str], steps: int, warmup: int) -> dict:
-    import bench_train_step
-
     with contextlib.redirect_stdout(io.StringIO()):  # its own JSON line is replaced by ours
         return bench_train_step.main(["--preset", preset, "--steps", str(steps), "--warmup", str(warmup), *overrides])
 

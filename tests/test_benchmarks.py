@@ -8,21 +8,18 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-import jaxperf
 from jaxperf import cli
-from jaxperf.perf import bench
+from jaxperf.benchmarks import run as bench
 
-BENCH_DIR = Path(jaxperf.__file__).resolve().parents[1] / "benchmarks"
 CONTEXT_KEYS = ("benchmark", "name", "value", "unit", "device", "platform", "n_devices", "versions", "date")
 
 
 def load(name):
-    return bench.load_script(name, BENCH_DIR)
+    return bench.load_script(name)
 
 
 def check_records(records, benchmark, expect_names):
@@ -165,7 +162,7 @@ def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeyp
     for name, module in modules.items():
         monkeypatch.setattr(module, "main", lambda argv, name=name: seen.setdefault(name, argv) and [])
         monkeypatch.setattr(bench, "load_script", lambda _n, _d=None, module=module: module)
-        bench.run_one(name, ["--tiny"], BENCH_DIR, tmp_path)
+        bench.run_one(name, ["--tiny"], out=tmp_path)
     assert seen == {"collectives": ["--tiny", "--out", str(tmp_path)], "async_dispatch": ["--tiny"]}
 
 
@@ -231,8 +228,7 @@ def test_torch_peer_matches_jaxperf(style, tmp_path):
         pytest.skip("torch not installed here: set JAXPERF_PEER_PYTHON to an interpreter with torch to test the peer")
     import jax
 
-    sys.path.insert(0, str(BENCH_DIR))
-    from _common import make_train_step
+    from jaxperf.benchmarks._common import make_train_step
 
     mod = load("train")
     overrides = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "batch_size=8", "seq_len=16",

@@ -151,30 +151,3 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"at peak FLOP/s a step takes >= {1e3 * r['step_s_at_peak']:.3g} ms, "
                      f"<= {r['tokens_per_s_at_peak']:,.0f} tokens/s for the slice")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`jaxperf compile --topology v5p:4x4x4 [--preset NAME] [key=value ...] [--json]`."""
-    import argparse
-    import json
-    import sys
-
-    from jaxperf.config import ConfigError, get_config
-
-    p = argparse.ArgumentParser(prog="jaxperf compile",
-                                description="Compile a run's train step for a TPU slice on this machine and report "
-                                            "memory and FLOPs per chip (needs libtpu: pip install 'jax[tpu]').")
-    p.add_argument("--topology", required=True, help="chip:shape, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2")
-    p.add_argument("--slices", type=int, default=1, help="slices of a multi-slice job (data parallel across them)")
-    p.add_argument("--preset", default=None)
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
-    try:
-        cfg = get_config(args.preset, args.overrides)
-        report = compile_for_topology(cfg, args.topology, args.slices)
-    except (ConfigError, TopologyError) as e:
-        print(f"jaxperf compile: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0 if report["fits"] is not False else 1

@@ -8,6 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxperf.generate.engine import Generator, TextStream
+from jaxperf.generate.sampling import check_settings
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxperf generate", description="Generate text from a training run's checkpoint.")
@@ -24,8 +27,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxperf.generate.engine import Generator, TextStream
-    from jaxperf.generate.sampling import check_settings
 
     try:
         check_settings(args.temperature, args.top_k, args.top_p)
@@ -50,6 +51,3 @@ def main(argv: list[str] | None = None) -> int:
           f"compile {result.compile_s:.1f} s, finish: {result[0].finish_reason}]", flush=True)
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

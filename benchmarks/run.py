@@ -4,16 +4,18 @@
     jaxperf bench --tiny compiled_vs_eager # one, small shapes (seconds on CPU)
     jaxperf bench train hardware --out /tmp/bench
 
-The scripts live in the repository's benchmarks/ folder (not an installed package): each `bench_<name>.py` has a
-`main(argv) -> list[dict]`. They run in this process, one after the other; one that fails is recorded as an error and
-the suite goes on. Results: DIR/results.jsonl (one record per line, this run only), DIR/roofline.png when
-jaxperf.perf.roofline and matplotlib are available and some record carries roofline counts, and a table on stdout.
+The scripts sit beside this runner in the repository's benchmarks/ folder, which installs as the package
+`jaxperf.benchmarks` (an editable install or a wheel alike): each `bench_<name>.py` has a `main(argv) -> list[dict]`.
+They run in this process, one after the other; one that fails is recorded as an error and the suite goes on.
+Results: DIR/results.jsonl (one record per line, this run only; default ./bench_results), DIR/roofline.png when
+matplotlib is available and some record carries roofline counts, and a table on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import json
 import math
@@ -21,6 +23,8 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+from jaxperf.benchmarks._common import strict_json
 
 # name -> script in benchmarks/. A script that sets TAKES_OUT = True also gets `--out DIR` for its plots.
 BENCHMARKS: dict[str, str] = {
@@ -39,39 +43,15 @@ BENCHMARKS: dict[str, str] = {
 OPTIONAL: frozenset[str] = frozenset()  # names whose failure is reported but does not fail the suite
 
 
-def _finite(x):
-    """NaN and inf become None so that every line of results.jsonl is strict JSON."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
-
-
-def benchmarks_dir() -> Path:
-    """The repository's benchmarks/ folder, found next to the jaxperf package."""
-    import jaxperf
-
-    path = Path(jaxperf.__file__).resolve().parents[1] / "benchmarks"
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"no benchmarks folder at {path}: the scripts ship with the source repository, not the installed package. "
-            "Run `jaxperf bench` from a checkout installed with `pip install -e .`")
-    return path
-
-
 def load_script(name: str, directory: Path | None = None):
-    """Import benchmarks/bench_<name>.py as a module (its folder goes on sys.path for its sibling helpers)."""
+    """The module of benchmark `name`: `jaxperf.benchmarks.bench_<name>`, or the file of that name in `directory`."""
     if name not in BENCHMARKS:
         raise KeyError(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
-    directory = directory or benchmarks_dir()
-    path = directory / BENCHMARKS[name]
+    if directory is None:
+        return importlib.import_module(f"jaxperf.benchmarks.{Path(BENCHMARKS[name]).stem}")
+    path = Path(directory) / BENCHMARKS[name]
     if not path.is_file():
         raise FileNotFoundError(f"benchmark script {path} is missing")
-    if str(directory) not in sys.path:
-        sys.path.insert(0, str(directory))
     spec = importlib.util.spec_from_file_location(f"jaxperf_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -162,25 +142,24 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jaxperf bench", description=__doc__.splitlines()[0])
     p.add_argument("names", nargs="*", help=f"benchmarks to run (default all): {', '.join(BENCHMARKS)}")
     p.add_argument("--tiny", action="store_true", help="small shapes: the suite finishes quickly on CPU")
-    p.add_argument("--out", default=None, help="output folder (default: benchmarks/results/ in the repository)")
+    p.add_argument("--out", default="bench_results", help="output folder (default: ./bench_results)")
     a = p.parse_args(argv)
     unknown = [n for n in a.names if n not in BENCHMARKS]
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
     names = a.names or list(BENCHMARKS)
-    directory = benchmarks_dir()
-    out = Path(a.out) if a.out else directory / "results"
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
     records: list[dict[str, Any]] = []
     for name in names:
         print(f"== {name}", flush=True)
         with contextlib.redirect_stdout(sys.stderr):  # the scripts' own JSON lines go to stderr; the table to stdout
-            records += run_one(name, ["--tiny"] if a.tiny else [], directory, out)
+            records += run_one(name, ["--tiny"] if a.tiny else [], out=out)
     results = out / "results.jsonl"
     with results.open("w") as f:
         for r in records:
-            f.write(json.dumps(_finite(r), default=str) + "\n")
+            f.write(json.dumps(strict_json(r), default=str) + "\n")
     plot = write_roofline(records, out / "roofline.png")
     print(table(records))
     print(f"wrote {len(records)} records to {results}" + (f" and {plot}" if plot else ""))

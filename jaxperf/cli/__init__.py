@@ -1,0 +1,58 @@
+"""The `jaxperf` command: one module per subcommand, each with `main(argv) -> exit code`.
+
+    jaxperf train [--preset NAME] [key=value ...]     jaxperf.cli.train
+    jaxperf info  [--preset NAME] [key=value ...]     jaxperf.cli.info
+    jaxperf compile --topology v5p:4x4x4 ...          jaxperf.cli.compile
+    jaxperf generate --checkpoint DIR --prompt ...    jaxperf.cli.generate
+    jaxperf serve --checkpoint DIR                    jaxperf.cli.serve
+    jaxperf bench [names] [--tiny]                    jaxperf.benchmarks.run
+
+Subcommand modules are imported only when chosen, so `jaxperf --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("jaxperf.cli.train", "train a model"),
+    "info": ("jaxperf.cli.info", "devices, the mesh a run would use, peak FLOP/s, versions"),
+    "compile": ("jaxperf.cli.compile", "compile the train step for a TPU slice on this machine"),
+    "generate": ("jaxperf.cli.generate", "continue a prompt from a run's checkpoint"),
+    "serve": ("jaxperf.cli.serve", "serve a run's checkpoint over HTTP"),
+    "bench": ("jaxperf.benchmarks.run", "run the benchmark suite"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: jaxperf {" + ",".join(COMMANDS) + "} ...", "", "Train and measure Transformers with JAX.", ""]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`jaxperf COMMAND --help` describes each command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code (2 for a usage error)."""
+    # Without an accelerator plugin JAX's backend probing prints warnings; an explicit JAX_PLATFORMS still wins.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jaxperf: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+def run() -> None:
+    """The console script: on CPU-only hosts restart once with huge pages (jaxperf.perf.hostmem), then main()."""
+    from jaxperf.perf.hostmem import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+    sys.exit(main())

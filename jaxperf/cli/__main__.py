@@ -1,0 +1,5 @@
+"""`python -m jaxperf.cli ...` is the `jaxperf` command."""
+
+from jaxperf.cli import run
+
+run()

@@ -1,0 +1,38 @@
+"""`jaxperf compile --topology v5p:4x4x4 [--slices N] [--preset NAME] [key=value ...] [--json]`.
+
+Compiles a run's train step for a TPU slice on this machine (needs libtpu) and reports memory and FLOPs per chip
+(jaxperf.perf.topology). Exit code 1 when the step does not fit the chip's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from jaxperf.config import ConfigError, get_config
+from jaxperf.perf.topology import TopologyError, compile_for_topology, format_report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxperf compile",
+                                description="Compile a run's train step for a TPU slice on this machine and report "
+                                            "memory and FLOPs per chip (needs libtpu: pip install 'jax[tpu]').")
+    p.add_argument("--topology", required=True, help="chip:shape, e.g. v5p:4x4x4, v5e:4x4, v4:2x2x2")
+    p.add_argument("--slices", type=int, default=1, help="slices of a multi-slice job (data parallel across them)")
+    p.add_argument("--preset", default=None)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("overrides", nargs="*")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        report = compile_for_topology(cfg, args.topology, args.slices)
+    except (ConfigError, TopologyError) as e:
+        print(f"jaxperf compile: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0 if report["fits"] is not False else 1

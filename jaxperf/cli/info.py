@@ -1,0 +1,41 @@
+"""`jaxperf info [--preset NAME] [key=value ...]`: versions, devices, the mesh a run would use, peak FLOP/s."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import flax
+import jax
+import optax
+
+from jaxperf.config import ConfigError, get_config
+from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
+from jaxperf.perf.hardware import describe, format_info
+from jaxperf.perf.hostmem import host_memory
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxperf info", description="Devices, the mesh a run would use, peak FLOP/s.")
+    p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")
+    p.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. fsdp=4 tensor=2)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    devices = jax.devices()
+    print(f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, python {sys.version.split()[0]}")
+    print(f"platform {jax.default_backend()}: {len(devices)} devices ({devices[0].device_kind}), "
+          f"{jax.process_count()} process(es), {len(jax.local_devices())} local")
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        shape = mesh_shape(cfg.parallel, len(devices))
+        print(f"mesh for preset {args.preset or 'tiny'}: " + " ".join(f"{a}={shape[a]}" for a in MESH_AXES)
+              + f", strategy {cfg.parallel.strategy}")
+    except ConfigError as e:
+        print(f"mesh: {e}")
+    print(format_info(describe(devices[0])))
+    if jax.default_backend() == "cpu":
+        print(host_memory().describe())
+    return 0

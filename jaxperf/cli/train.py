@@ -1,0 +1,50 @@
+"""`jaxperf train [--preset NAME] [key=value ...]`: train a model end to end (jaxperf.train.Trainer)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from jaxperf import distributed
+from jaxperf.config import ConfigError, get_config
+from jaxperf.train.checkpoint import IncompatibleCheckpointError
+from jaxperf.train.trainer import Trainer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxperf train", description="Train a model.")
+    p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")
+    p.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. max_steps=20 model.n_layers=2)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = get_config(args.preset, args.overrides)
+        distributed.initialize()  # a no-op unless the environment describes several processes
+        trainer = Trainer(cfg)
+    except (ConfigError, ValueError) as e:
+        print(f"jaxperf train: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = trainer.fit()
+    except IncompatibleCheckpointError as e:
+        print(f"jaxperf train: cannot resume: {e}", file=sys.stderr)
+        return 2
+    if "stopped_at" in summary:
+        return 0  # preempted or interrupted: the checkpoint is saved, the next start continues from it
+    main_process = jax.process_index() == 0  # every process trains; only the first one reports
+    losses = summary["losses"]
+    if losses and main_process:
+        first, last = losses[min(losses)], losses[max(losses)]
+        print(f"loss {first:.4f} -> {last:.4f} over {len(losses)} steps; checkpoint in {trainer.run_dir / 'checkpoints'}")
+    if cfg.sample_tokens and trainer.tokenizer is not None:
+        text = trainer.sample(summary["state"], cfg.sample_prompt, cfg.sample_tokens)  # a collective: all processes
+        if main_process:
+            print("---- sample ----")
+            print(text)
+            print("----------------")
+    return 0
