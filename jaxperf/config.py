@@ -110,6 +110,49 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
 
 
+MESH_AXES = ("data", "fsdp", "tensor")
+
+
+def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
+    """Resolve the axis sizes (one may be -1) against a device count, or raise ConfigError with the fix.
+
+    With dcn_data = S > 1 the sizes are resolved against num_devices / S devices (one slice) and `data` is then
+    multiplied by S.
+    """
+    slices = int(getattr(parallel, "dcn_data", 1))
+    if slices < 1:
+        raise ConfigError(f"parallel.dcn_data={slices} must be >= 1 (the number of slices)")
+    if slices > 1:
+        if num_devices % slices:
+            raise ConfigError(f"parallel.dcn_data={slices} slices do not split the {num_devices} devices evenly: use "
+                              f"a divisor of {num_devices}")
+        sizes = mesh_shape(dataclasses.replace(parallel, dcn_data=1), num_devices // slices)
+        return {**sizes, "data": sizes["data"] * slices}
+    sizes = {a: int(getattr(parallel, a)) for a in MESH_AXES}
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise ConfigError(f"only one mesh axis may be -1 ('the rest'), got {', '.join(free)} = -1")
+    bad = {a: s for a, s in sizes.items() if s == 0 or s < -1}
+    if bad:
+        raise ConfigError(f"mesh axis sizes must be positive or -1, got {bad}")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"the mesh axes {({a: s for a, s in sizes.items() if s != -1})} use {fixed} devices, which does not "
+                f"divide the {num_devices} devices; '{free[0]}=-1' needs a divisor of {num_devices}"
+            )
+        sizes[free[0]] = num_devices // fixed
+    total = math.prod(sizes.values())
+    if total > num_devices:
+        raise ConfigError(
+            f"the mesh data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = {total} is larger than "
+            f"the {num_devices} available devices: make the product at most {num_devices} (e.g. set one axis to -1)"
+        )
+    return sizes
+
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from. The default corpus is the Python standard library's own source (always present)."""
@@ -378,14 +421,12 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     return r
 
 
-def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | None = None, *, model: bool = True):
+def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = None, *, model: bool = True):
     """Raise ConfigError for a run that cannot work, before compiling anything.
 
-    `mesh_shape` is the resolved mesh ({"data": d, "fsdp": f, "tensor": t}); see jaxperf.parallel.mesh.mesh_shape.
+    `shape` is the resolved mesh ({"data": d, "fsdp": f, "tensor": t}), by default `mesh_shape(cfg.parallel, ...)`.
     `model=False` skips the checks of the built-in model's config (for runs that bring their own model).
     """
-    from jaxperf.parallel.mesh import mesh_shape as _mesh_shape
-
     validate_flavour(cfg.parallel)
     if cfg.parallel.overlap_grad_reduce and (cfg.parallel.flavour, cfg.parallel.strategy, cfg.microbatches) != (
             "shard_map", "dp", 1):
@@ -394,7 +435,7 @@ def validate(cfg: TrainConfig, num_devices: int, mesh_shape: dict[str, int] | No
             f"microbatches=1 (each layer's gradients are all-reduced once, inside the backward pass), not flavour="
             f"{cfg.parallel.flavour}, strategy={cfg.parallel.strategy}, microbatches={cfg.microbatches}; under jit XLA "
             f"schedules the gradient reduction itself")
-    shape = mesh_shape or _mesh_shape(cfg.parallel, num_devices)
+    shape = shape or mesh_shape(cfg.parallel, num_devices)
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
         raise ConfigError(

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jaxperf.config import ConfigError, ModelConfig, get_config, validate
+from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, mesh_shape, validate
 from jaxperf.models import count_params
-from jaxperf.parallel.mesh import mesh_shape
-from jaxperf.config import ParallelConfig
 
 
 def test_overrides_dotted_bare_and_types():

@@ -9,8 +9,7 @@ import flax
 import jax
 import optax
 
-from jaxperf.config import ConfigError, get_config
-from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
+from jaxperf.config import MESH_AXES, ConfigError, get_config, mesh_shape
 from jaxperf.perf.hardware import describe, format_info
 from jaxperf.perf.hostmem import host_memory
 

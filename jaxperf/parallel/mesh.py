@@ -8,56 +8,13 @@ comes from JAX's hybrid mesh builder, which groups devices by their `slice_index
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 from jax.sharding import Mesh
 
 from jaxperf import _compat
-from jaxperf.config import ConfigError, ParallelConfig
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
-
-def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
-    """Resolve the axis sizes (one may be -1) against a device count, or raise ConfigError with the fix.
-
-    With dcn_data = S > 1 the sizes are resolved against num_devices / S devices (one slice) and `data` is then
-    multiplied by S.
-    """
-    slices = int(getattr(parallel, "dcn_data", 1))
-    if slices < 1:
-        raise ConfigError(f"parallel.dcn_data={slices} must be >= 1 (the number of slices)")
-    if slices > 1:
-        if num_devices % slices:
-            raise ConfigError(f"parallel.dcn_data={slices} slices do not split the {num_devices} devices evenly: use "
-                              f"a divisor of {num_devices}")
-        sizes = mesh_shape(dataclasses.replace(parallel, dcn_data=1), num_devices // slices)
-        return {**sizes, "data": sizes["data"] * slices}
-    sizes = {a: int(getattr(parallel, a)) for a in MESH_AXES}
-    free = [a for a, s in sizes.items() if s == -1]
-    if len(free) > 1:
-        raise ConfigError(f"only one mesh axis may be -1 ('the rest'), got {', '.join(free)} = -1")
-    bad = {a: s for a, s in sizes.items() if s == 0 or s < -1}
-    if bad:
-        raise ConfigError(f"mesh axis sizes must be positive or -1, got {bad}")
-    fixed = math.prod(s for s in sizes.values() if s != -1)
-    if free:
-        if num_devices % fixed:
-            raise ConfigError(
-                f"the mesh axes {({a: s for a, s in sizes.items() if s != -1})} use {fixed} devices, which does not "
-                f"divide the {num_devices} devices; '{free[0]}=-1' needs a divisor of {num_devices}"
-            )
-        sizes[free[0]] = num_devices // fixed
-    total = math.prod(sizes.values())
-    if total > num_devices:
-        raise ConfigError(
-            f"the mesh data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = {total} is larger than "
-            f"the {num_devices} available devices: make the product at most {num_devices} (e.g. set one axis to -1)"
-        )
-    return sizes
-
+from jaxperf.config import MESH_AXES, ConfigError, ParallelConfig, mesh_shape
 
 def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """Build the mesh for `parallel` over `devices` (default: all devices, in physical-topology order).

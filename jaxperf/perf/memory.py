@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxperf.config import ConfigError, ModelConfig, TrainConfig
+from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape
 
 GiB = 2**30
 
@@ -130,8 +130,6 @@ class MemoryEstimate:
 
 
 def _resolve_mesh(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None) -> dict[str, int]:
-    from jaxperf.parallel.mesh import MESH_AXES, mesh_shape
-
     if mesh is None:
         mesh = len(jax.devices())
     if isinstance(mesh, int):

@@ -57,9 +57,9 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     """
     import dataclasses
 
-    from jaxperf.config import validate
+    from jaxperf.config import mesh_shape, validate
     from jaxperf.models import GPT
-    from jaxperf.parallel.mesh import make_mesh, mesh_shape
+    from jaxperf.parallel.mesh import make_mesh
     from jaxperf.parallel.rules import get_rules
     from jaxperf.perf.flops import flops_per_token
     from jaxperf.perf.hardware import chip_for

@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxperf.config import TrainConfig, to_dict, validate
-from jaxperf.parallel.mesh import describe, make_mesh, mesh_shape
+from jaxperf.config import TrainConfig, mesh_shape, to_dict, validate
+from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.flops import flops_per_token
