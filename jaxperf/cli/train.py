@@ -7,8 +7,8 @@ import sys
 
 import jax
 
-from jaxperf import distributed
 from jaxperf.config import ConfigError, get_config
+from jaxperf.parallel import distributed
 from jaxperf.train.checkpoint import IncompatibleCheckpointError
 from jaxperf.train.trainer import Trainer
 

@@ -1,6 +1,6 @@
 """Starting JAX's multi-controller runtime: every process runs the same program and sees all devices of the job.
 
-    jaxperf.distributed.initialize()        # before anything touches jax.devices()
+    jaxperf.parallel.distributed.initialize()   # before anything touches jax.devices()
 
 Where the process count and rank come from, first match wins:
 1. arguments: `initialize(coordinator="host:port", num_processes=N, process_id=i)`;
