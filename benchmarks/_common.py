@@ -115,7 +115,7 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
 
     Returns (step, state, batch, cfg); `step` is `(state, batch) -> (state, metrics)` over all visible devices with
     the preset's strategy: the jitted Task step for `parallel.flavour=jit`, else the flavour's step from
-    jaxperf.train.explicit (with `state` already in its layout).
+    jaxperf.explicit.flavours (with `state` already in its layout).
     """
     import numpy as np
 
@@ -123,8 +123,8 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
     from jaxperf.models import GPT
     from jaxperf.parallel.mesh import make_mesh
     from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, decay_mask, next_token_loss
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task, decay_mask, next_token_loss
 
     cfg = get_config(preset, overrides or [])
     validate(cfg, jax.device_count())
@@ -138,7 +138,7 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
         step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule, donate=donate)
         state = task.init_state()
     else:
-        from jaxperf.train.explicit import build_train_step
+        from jaxperf.explicit.flavours import build_train_step
 
         step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
                                 schedule=schedule, donate=donate,

@@ -5,7 +5,7 @@
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_collectives.py --tiny
 
 Every visible device takes part (one mesh axis). For each message size (fp32 bytes per device) and each algorithm in
-jaxperf.parallel.collectives (psum, ring, bidirectional ring, halving-doubling when the device count is a power of
+jaxperf.explicit.collectives (psum, ring, bidirectional ring, halving-doubling when the device count is a power of
 two), the result is first checked against psum, then timed. One record per (algorithm, size): value = bus bandwidth
 in GB/s (nbytes / seconds * 2(n-1)/n), with the measured seconds beside the cost model's prediction from a link
 (alpha, beta) fitted to the psum timings, psum modelled as a ring. A `link/psum_fit` record carries the fitted link.
@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxperf.perf.hostmem import reexec_with_huge_pages
 from jaxperf.benchmarks._common import check_close, emit, record
 from jaxperf import _compat
-from jaxperf.parallel import collectives as C
+from jaxperf.explicit import collectives as C, cost_model
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.timing import benchmark
 
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     sizes, algos = message_sizes(a.tiny, jax.default_backend()), algorithms(n)
     timings = measure(mesh, sizes, algos, a.iters or (5 if a.tiny else 20))
 
-    link = C.fit_link([(nb, t["median_s"]) for nb, t in timings["psum"].items()], n=n, algorithm="psum")
+    link = cost_model.fit_link([(nb, t["median_s"]) for nb, t in timings["psum"].items()], n=n, algorithm="psum")
     chip = chip_for()
     peak = chip.interconnect_bw / 1e9 if chip else None
     link_fields = {"alpha_s": link.alpha_s, "beta_s_per_byte": link.beta_s_per_byte}
@@ -131,11 +131,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for algo in algos:
         for nbytes, t in timings[algo].items():
-            pred_s = C.predict(algo, nbytes, n, link)
+            pred_s = cost_model.predict(algo, nbytes, n, link)
             rows.append(record(
-                NAME, f"{algo}/{size_label(nbytes)}", C.bus_bandwidth(nbytes, n, t["median_s"]) / 1e9, "GB/s",
+                NAME, f"{algo}/{size_label(nbytes)}", cost_model.bus_bandwidth(nbytes, n, t["median_s"]) / 1e9, "GB/s",
                 peak=peak, algorithm=algo, nbytes=nbytes, n=n, dtype="float32", seconds=t["median_s"],
-                predicted_s=pred_s, predicted_bus_GBps=C.bus_bandwidth(nbytes, n, pred_s) / 1e9 if pred_s > 0 else None,
+                predicted_s=pred_s, predicted_bus_GBps=cost_model.bus_bandwidth(nbytes, n, pred_s) / 1e9 if pred_s > 0 else None,
                 model_ratio=t["median_s"] / pred_s if pred_s > 0 else None, timing=t, link=link_fields,
                 **({"peak_source": f"table:{chip.name} interconnect, one direction"} if chip else {})))
     recs += rows

@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> dict:
     from jaxperf.parallel.rules import get_rules
     from jaxperf.perf.flops import flops_per_token
     from jaxperf.perf.hardware import peak_flops
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, decay_mask, next_token_loss
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task, decay_mask, next_token_loss
 
     cfg = get_config(args.preset, args.overrides)
     validate(cfg, jax.device_count())

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxperf.config import get_config
-from jaxperf.train.step import next_token_loss
+from jaxperf.step.task import next_token_loss
 from jaxperf.train.trainer import Trainer
 
 

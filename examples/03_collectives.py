@@ -20,7 +20,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 from jaxperf import _compat  # noqa: E402
-from jaxperf.parallel import collectives  # noqa: E402
+from jaxperf.explicit import collectives, cost_model  # noqa: E402
 from jaxperf.perf.timing import benchmark  # noqa: E402
 
 devices = jax.devices("cpu")[:8]
@@ -47,14 +47,14 @@ for nbytes in sizes:
     x_NxM = jax.random.normal(jax.random.key(1), (n, nbytes // 4), jnp.float32)
     for name, fn in (("psum", psum), ("ring", ring)):
         measured[name][nbytes] = benchmark(fn, x_NxM, iters=5).median_s
-link = collectives.fit_link(measured["psum"].items(), n=n, algorithm="psum")
+link = cost_model.fit_link(measured["psum"].items(), n=n, algorithm="psum")
 print(f"link fitted to psum: alpha {link.alpha_s * 1e6:.1f} us, bandwidth {link.bandwidth / 1e9:.2f} GB/s")
 
 print(f"{'bytes/device':>12}  {'algorithm':>9}  {'measured':>10}  {'predicted':>10}  {'bus GB/s':>8}")
 for nbytes in sizes:
     for name in ("psum", "ring"):
         t = measured[name][nbytes]
-        print(f"{nbytes:>12}  {name:>9}  {t * 1e3:>8.3f}ms  {collectives.predict(name, nbytes, n, link) * 1e3:>8.3f}ms"
-              f"  {collectives.bus_bandwidth(nbytes, n, t) / 1e9:>8.3f}")
+        print(f"{nbytes:>12}  {name:>9}  {t * 1e3:>8.3f}ms  {cost_model.predict(name, nbytes, n, link) * 1e3:>8.3f}ms"
+              f"  {cost_model.bus_bandwidth(nbytes, n, t) / 1e9:>8.3f}")
 # On CPU the ring's 2(n-1) ppermutes are each a separate copy between threads, so it trails the runtime's psum; on
 # a GPU or TPU slice, the gap between measurement and model is what says whether the link or the steps are the limit.

@@ -19,7 +19,8 @@ from jax.sharding import Mesh  # noqa: E402
 
 from jaxperf.config import ModelConfig  # noqa: E402
 from jaxperf.models.gpt import GPT  # noqa: E402
-from jaxperf.parallel.pipeline import bubble_fraction, pipeline_loss  # noqa: E402
+from jaxperf.models.pipelined import pipeline_loss  # noqa: E402
+from jaxperf.parallel.pipeline import bubble_fraction  # noqa: E402
 
 N_STAGES, N_MICRO = 4, 8
 mesh = Mesh(np.array(jax.devices()[:N_STAGES]), ("stage",))

@@ -23,9 +23,9 @@ from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E40
 from jaxperf.models import GPT  # noqa: E402
 from jaxperf.parallel.mesh import describe, make_mesh  # noqa: E402
 from jaxperf.parallel.rules import get_rules  # noqa: E402
-from jaxperf.train.explicit import build_train_step  # noqa: E402
-from jaxperf.train.optimizer import make_optimizer  # noqa: E402
-from jaxperf.train.step import Task, decay_mask, next_token_loss  # noqa: E402
+from jaxperf.explicit.flavours import build_train_step  # noqa: E402
+from jaxperf.step.optimizer import make_optimizer  # noqa: E402
+from jaxperf.step.task import Task, decay_mask, next_token_loss  # noqa: E402
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0)

@@ -105,7 +105,7 @@ class ParallelConfig:
     # Slices of a multi-slice TPU job (or any groups of devices joined by a slower network, DCN): the `data` axis
     # spans them, so only the gradient all-reduce crosses DCN; data/fsdp/tensor above describe one slice.
     dcn_data: int = 1
-    flavour: str = "jit"  # how the step is written: jit (GSPMD) | shard_map | pmap (see jaxperf.train.explicit)
+    flavour: str = "jit"  # how the step is written: jit (GSPMD) | shard_map | pmap (see jaxperf.explicit.flavours)
     # shard_map dp: all-reduce each layer's gradients inside the backward pass, as soon as that layer is done
     overlap_grad_reduce: bool = False
 
@@ -375,7 +375,7 @@ _MODEL_CHOICES = {
 }
 
 
-# Step flavours and the strategies each can run (jaxperf.train.explicit writes the explicit-collective ones).
+# Step flavours and the strategies each can run (jaxperf.explicit.flavours writes the explicit-collective ones).
 FLAVOURS: dict[str, tuple[str, ...]] = {
     "jit": ("dp", "fsdp", "tp", "fsdp_tp"),
     "shard_map": ("dp", "fsdp", "tp", "fsdp_tp"),
@@ -392,7 +392,7 @@ def validate_flavour(parallel: ParallelConfig) -> None:
         raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}.{hint}")
     supported = FLAVOURS[flavour]
     # Only the built-in strategy names are judged here; a table registered by the user is checked against the mesh
-    # when the step is built (jaxperf.train.explicit.check_flavour), and an unknown name by get_rules.
+    # when the step is built (jaxperf.explicit.flavours.check_flavour), and an unknown name by get_rules.
     if strategy in FLAVOURS["jit"] and strategy not in supported:
         others = [f for f, s in FLAVOURS.items() if strategy in s]
         raise ConfigError(

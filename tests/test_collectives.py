@@ -14,7 +14,8 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxperf import _compat
-from jaxperf.parallel import collectives as C
+from jaxperf.explicit import collectives as C, cost_model
+from jaxperf.parallel import collective_matmul as CM
 
 HAND_WRITTEN = ("ring", "bidirectional_ring", "halving_doubling")
 SHAPES = ((1,), (7,), (1000,), (5, 9))  # none a multiple of 2n for every n
@@ -127,7 +128,7 @@ def test_halving_doubling_needs_a_power_of_two(n):
     with pytest.raises(ValueError, match=f"power-of-two.*n={n}.*ring_all_reduce"):
         f(jnp.ones((n, 4), jnp.float32))
     with pytest.raises(ValueError, match=f"n={n}"):
-        C.predict("halving_doubling", 1024, n, C.LinkModel(1e-6, 1e-9))
+        cost_model.predict("halving_doubling", 1024, n, cost_model.LinkModel(1e-6, 1e-9))
 
 
 def test_ring_on_three_devices():
@@ -139,25 +140,25 @@ def test_ring_on_three_devices():
 # ---------------------------------------------------------------------------------------------------------------------
 # Cost model
 
-LINK = C.LinkModel(alpha_s=10e-6, beta_s_per_byte=1 / 25e9)
+LINK = cost_model.LinkModel(alpha_s=10e-6, beta_s_per_byte=1 / 25e9)
 
 
 def test_predict_formulas():
     n, nb, a, b = 8, 1 << 20, LINK.alpha_s, LINK.beta_s_per_byte
-    assert C.predict("ring", nb, n, LINK) == pytest.approx(14 * a + 14 / 8 * nb * b)
-    assert C.predict("psum", nb, n, LINK) == C.predict("ring", nb, n, LINK)
-    assert C.predict("bidirectional_ring", nb, n, LINK) == pytest.approx(14 * a + 7 / 8 * nb * b)
-    assert C.predict("halving_doubling", nb, n, LINK) == pytest.approx(6 * a + 14 / 8 * nb * b)
-    assert C.predict("naive", nb, n, LINK) == pytest.approx(7 * a + 7 * nb * b)
-    assert C.predict("ring", nb, 1, LINK) == 0.0
-    assert LINK.bandwidth == pytest.approx(25e9) and C.LinkModel.from_bandwidth(a, 25e9) == LINK
+    assert cost_model.predict("ring", nb, n, LINK) == pytest.approx(14 * a + 14 / 8 * nb * b)
+    assert cost_model.predict("psum", nb, n, LINK) == cost_model.predict("ring", nb, n, LINK)
+    assert cost_model.predict("bidirectional_ring", nb, n, LINK) == pytest.approx(14 * a + 7 / 8 * nb * b)
+    assert cost_model.predict("halving_doubling", nb, n, LINK) == pytest.approx(6 * a + 14 / 8 * nb * b)
+    assert cost_model.predict("naive", nb, n, LINK) == pytest.approx(7 * a + 7 * nb * b)
+    assert cost_model.predict("ring", nb, 1, LINK) == 0.0
+    assert LINK.bandwidth == pytest.approx(25e9) and cost_model.LinkModel.from_bandwidth(a, 25e9) == LINK
     with pytest.raises(ValueError, match="unknown algorithm 'tree'"):
-        C.predict("tree", nb, n, LINK)
+        cost_model.predict("tree", nb, n, LINK)
 
 
 def test_cost_model_orderings():
     n = 8
-    t = lambda algo, nb: C.predict(algo, nb, n, LINK)  # noqa: E731
+    t = lambda algo, nb: cost_model.predict(algo, nb, n, LINK)  # noqa: E731
     big, small = 64 << 20, 256
     assert t("bidirectional_ring", big) < t("ring", big) < t("naive", big)
     # the same bytes as the ring, 2 log2(n) instead of 2(n-1) messages
@@ -170,23 +171,23 @@ def test_cost_model_orderings():
 
 
 def test_bus_bandwidth_of_a_latency_free_ring_is_the_link_bandwidth():
-    link = C.LinkModel(0.0, LINK.beta_s_per_byte)
+    link = cost_model.LinkModel(0.0, LINK.beta_s_per_byte)
     for n in (2, 4, 8, 64):
         nb = 3 << 20
-        assert C.bus_bandwidth(nb, n, C.predict("ring", nb, n, link)) == pytest.approx(link.bandwidth)
-    assert C.bus_bandwidth(1e9, 8, 1.0) == pytest.approx(1.75e9)
+        assert cost_model.bus_bandwidth(nb, n, cost_model.predict("ring", nb, n, link)) == pytest.approx(link.bandwidth)
+    assert cost_model.bus_bandwidth(1e9, 8, 1.0) == pytest.approx(1.75e9)
 
 
 @pytest.mark.parametrize("algo", ["psum", "halving_doubling", "bidirectional_ring"])
 def test_fit_link_recovers_alpha_and_beta(algo):
     sizes = [2**k for k in range(10, 27, 2)]
-    exact = [(nb, C.predict(algo, nb, 8, LINK)) for nb in sizes]
-    fit = C.fit_link(exact, n=8, algorithm=algo)
+    exact = [(nb, cost_model.predict(algo, nb, 8, LINK)) for nb in sizes]
+    fit = cost_model.fit_link(exact, n=8, algorithm=algo)
     assert fit.alpha_s == pytest.approx(LINK.alpha_s, rel=1e-6)
     assert fit.beta_s_per_byte == pytest.approx(LINK.beta_s_per_byte, rel=1e-6)
     rng = np.random.default_rng(3)
     noisy = [(nb, s * (1 + 0.03 * rng.standard_normal())) for nb, s in exact for _ in range(3)]
-    fit = C.fit_link(noisy, n=8, algorithm=algo)
+    fit = cost_model.fit_link(noisy, n=8, algorithm=algo)
     assert fit.alpha_s == pytest.approx(LINK.alpha_s, rel=0.1)
     assert fit.beta_s_per_byte == pytest.approx(LINK.beta_s_per_byte, rel=0.1)
 
@@ -194,10 +195,10 @@ def test_fit_link_recovers_alpha_and_beta(algo):
 def test_fit_link_keeps_alpha_and_beta_non_negative():
     # times that a line through them would meet below zero need a negative alpha: the fit keeps it at zero
     beta = LINK.beta_s_per_byte
-    fit = C.fit_link([(nb, C.predict("ring", nb, 8, C.LinkModel(0.0, beta)) - 5e-6) for nb in (1e5, 1e6, 1e7)], n=8)
+    fit = cost_model.fit_link([(nb, cost_model.predict("ring", nb, 8, cost_model.LinkModel(0.0, beta)) - 5e-6) for nb in (1e5, 1e6, 1e7)], n=8)
     assert fit.alpha_s == 0 and fit.beta_s_per_byte > 0
     with pytest.raises(ValueError, match="two or more message sizes"):
-        C.fit_link([(1024, 1e-5), (1024, 2e-5)], n=8)
+        cost_model.fit_link([(1024, 1e-5), (1024, 2e-5)], n=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -215,8 +216,8 @@ def test_all_gather_matmul_equals_gather_then_matmul(n):
     def both(x_LxD, w_DxF, x_BxLxD):
         plain = lax.all_gather(x_LxD, "x", tiled=True) @ w_DxF
         plain3 = jnp.einsum("bld,df->blf", lax.all_gather(x_BxLxD, "x", axis=1, tiled=True), w_DxF)
-        return (C.all_gather_matmul(x_LxD, w_DxF, "x"), plain,
-                C.all_gather_matmul(x_BxLxD, w_DxF, "x", axis=1), plain3)
+        return (CM.all_gather_matmul(x_LxD, w_DxF, "x"), plain,
+                CM.all_gather_matmul(x_BxLxD, w_DxF, "x", axis=1), plain3)
 
     specs = (P("x", None), P(None, "x"), P(None, "x", None))
     out_specs = (P(None, "x"), P(None, "x"), P(None, None, "x"), P(None, None, "x"))
@@ -235,7 +236,7 @@ def test_matmul_reduce_scatter_equals_matmul_then_scatter(n):
     w = jnp.asarray(rng.standard_normal((n * D, F)), jnp.float32)  # rows sharded
 
     def both(x_LxD, w_DxF):
-        return C.matmul_reduce_scatter(x_LxD, w_DxF, "x"), lax.psum_scatter(x_LxD @ w_DxF, "x", tiled=True)
+        return CM.matmul_reduce_scatter(x_LxD, w_DxF, "x"), lax.psum_scatter(x_LxD @ w_DxF, "x", tiled=True)
 
     got, plain = per_device(both, n, in_specs=(P(None, "x"), P("x", None)), out_specs=(P("x"), P("x")))(x, w)
     assert got.shape == (n * L, F)
@@ -245,14 +246,14 @@ def test_matmul_reduce_scatter_equals_matmul_then_scatter(n):
 
 def test_collective_matmuls_are_made_of_ppermutes():
     x, w = jnp.ones((8 * 2, 4)), jnp.ones((4, 8 * 3))
-    ag = _compat.shard_map(lambda a, b: C.all_gather_matmul(a, b, "x"), mesh=mesh_of(8),
+    ag = _compat.shard_map(lambda a, b: CM.all_gather_matmul(a, b, "x"), mesh=mesh_of(8),
                            in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
     text = str(jax.make_jaxpr(ag)(x, w))
     assert text.count("ppermute[") == 7 and "all_gather" not in text
-    rs = _compat.shard_map(lambda a, b: C.matmul_reduce_scatter(a, b, "x"), mesh=mesh_of(8),
+    rs = _compat.shard_map(lambda a, b: CM.matmul_reduce_scatter(a, b, "x"), mesh=mesh_of(8),
                            in_specs=(P(None, "x"), P("x")), out_specs=P("x"))
     text = str(jax.make_jaxpr(rs)(jnp.ones((8 * 2, 8 * 4)), jnp.ones((8 * 4, 3))))
     assert text.count("ppermute[") == 7 and "psum" not in text and "reduce_scatter" not in text
     with pytest.raises(ValueError, match="7 rows, not a multiple of the 8 devices"):
-        per_device(lambda a, b: C.matmul_reduce_scatter(a, b, "x"), 8, in_specs=(P(None, "x"), P("x")),
+        per_device(lambda a, b: CM.matmul_reduce_scatter(a, b, "x"), 8, in_specs=(P(None, "x"), P("x")),
                    out_specs=P("x"))(jnp.ones((7, 8 * 4)), jnp.ones((8 * 4, 3)))

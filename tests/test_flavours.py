@@ -1,4 +1,4 @@
-"""Step flavours: the shard_map and pmap steps (jaxperf.train.explicit) give the single-device jit numbers, store what
+"""Step flavours: the shard_map and pmap steps (jaxperf.explicit.flavours) give the single-device jit numbers, store what
 they say they store, refuse what they cannot run before compiling, and drive the Trainer and the CLI."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.explicit import build_train_step
-from jaxperf.train.optimizer import make_optimizer
-from jaxperf.train.step import Task, decay_mask, next_token_loss
+from jaxperf.explicit.flavours import build_train_step
+from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.task import Task, decay_mask, next_token_loss
 from jaxperf.train.trainer import Trainer
 
 # 2 scanned layers, 4 heads of 8, mlp 128, vocab 256, fp32 for tight comparisons.

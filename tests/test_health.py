@@ -11,9 +11,9 @@ from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.health import HealthOptions
-from jaxperf.train.optimizer import make_optimizer
-from jaxperf.train.step import Task, next_token_loss
+from jaxperf.step.health import HealthOptions
+from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.task import Task, next_token_loss
 from jaxperf.train.trainer import Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)

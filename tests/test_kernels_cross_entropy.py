@@ -148,8 +148,8 @@ def _task(loss_impl):
     from jaxperf.models import GPT
     from jaxperf.parallel.mesh import make_mesh
     from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task
 
     cfg = get_config("tiny", ["d_model=32", "n_layers=1", "n_heads=2", "max_seq_len=16",
                               f"loss_impl={loss_impl}"]).model
@@ -183,7 +183,7 @@ def _chunked_loss(model, batch):
 
 def test_tiny_gpt_trains_the_same_with_fused_losses(monkeypatch):
     """3 steps under an 8-device FSDP mesh: loss_impl="pallas" and the chunked path match the logits path."""
-    from jaxperf.train.step import next_token_loss
+    from jaxperf.step.task import next_token_loss
 
     kernel_traces = []
     real_fwd = ce._fwd_pallas

@@ -18,7 +18,7 @@ from jaxperf.config import ParallelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.step import Task, next_token_loss
+from jaxperf.step.task import Task, next_token_loss
 from pallas_kernels.norms import (
     NormBlockSizes,
     layer_norm,

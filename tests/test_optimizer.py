@@ -10,8 +10,8 @@ from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.optimizer import lr_schedule, make_optimizer
-from jaxperf.train.step import Task, decay_mask
+from jaxperf.step.optimizer import lr_schedule, make_optimizer
+from jaxperf.step.task import Task, decay_mask
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

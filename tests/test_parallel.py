@@ -11,8 +11,8 @@ from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.optimizer import make_optimizer
-from jaxperf.train.step import Task, decay_mask, next_token_loss
+from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.task import Task, decay_mask, next_token_loss
 
 # 8 heads so that tp=8 divides them; 2 scanned layers; vocab 256; fp32 for tight comparisons.
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=8, max_seq_len=32)

@@ -123,8 +123,8 @@ MEM_TOL = 0.25
 def _compiled_step_memory(cfg):
     from jaxperf.parallel.mesh import make_mesh
     from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, next_token_loss
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task, next_token_loss
 
     n = cfg.parallel.data * max(cfg.parallel.fsdp, 1) * cfg.parallel.tensor
     mesh = make_mesh(cfg.parallel, jax.devices()[:n])
@@ -207,8 +207,8 @@ def test_export_forward_roundtrip(tmp_path):
 def test_export_train_step_roundtrip(tmp_path):
     from jaxperf.parallel.mesh import make_mesh
     from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, next_token_loss
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task, next_token_loss
 
     cfg = get_config("tiny", ["d_model=32", "n_layers=1", "max_seq_len=16", "parallel.strategy=fsdp", "fsdp=8"])
     mesh = make_mesh(cfg.parallel)

@@ -10,7 +10,8 @@ from jax.sharding import Mesh
 
 from jaxperf.config import ModelConfig
 from jaxperf.models.gpt import GPT
-from jaxperf.parallel.pipeline import bubble_fraction, gpipe, pipeline_loss, scan_stage, split_microbatches
+from jaxperf.models.pipelined import pipeline_loss
+from jaxperf.parallel.pipeline import bubble_fraction, gpipe, scan_stage, split_microbatches
 
 N_LAYERS, N_MICRO, B, D = 8, 8, 2, 16
 

@@ -18,8 +18,8 @@ from jaxperf.config import ConfigError, OptimConfig, ParallelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.train.optimizer import make_optimizer
-from jaxperf.train.step import Task, decay_mask, next_token_loss
+from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.task import Task, decay_mask, next_token_loss
 from jaxperf.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

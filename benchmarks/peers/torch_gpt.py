@@ -8,7 +8,7 @@ follows jaxperf.models.gpt for a resolved ModelConfig: pre-norm blocks; GPT-2 st
 positions, tanh-GELU MLP, biases in projections) or Llama style (RMSNorm, rotate-half RoPE, SwiGLU, grouped-query
 heads, no biases); tied or separate output projection over the padded vocabulary; fp32 norms and cross-entropy.
 Initialisation matches (normal(init_std); output projections scaled by 1/sqrt(2 n_layers); positions normal(0.01)).
-The optimizer matches jaxperf.train.optimizer: AdamW(b1, b2, eps, weight_decay on tensors with >= 2 dims), linear
+The optimizer matches jaxperf.step.optimizer: AdamW(b1, b2, eps, weight_decay on tensors with >= 2 dims), linear
 warm-up then cosine decay (step 0 already at lr / warmup_steps), global-norm clipping.
 
 Timing matches benchmarks/bench_train_step.py: `warmup` untimed steps, then `steps` steps each timed to completion
@@ -147,7 +147,7 @@ class TorchGPT(nn.Module):
 
 
 def lr_lambda(o: dict, max_steps: int):
-    """Multiplier of o["lr"] at update `step` (0-based), equal to jaxperf.train.optimizer.lr_schedule."""
+    """Multiplier of o["lr"] at update `step` (0-based), equal to jaxperf.step.optimizer.lr_schedule."""
     warm = o["warmup_steps"]
     decay = max(o["decay_steps"] or max_steps, warm + 1)
     end = o["min_lr_ratio"]

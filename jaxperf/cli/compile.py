@@ -1,7 +1,7 @@
 """`jaxperf compile --topology v5p:4x4x4 [--slices N] [--preset NAME] [key=value ...] [--json]`.
 
 Compiles a run's train step for a TPU slice on this machine (needs libtpu) and reports memory and FLOPs per chip
-(jaxperf.perf.topology). Exit code 1 when the step does not fit the chip's memory.
+(jaxperf.train.topology). Exit code 1 when the step does not fit the chip's memory.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import sys
 
 from jaxperf.config import ConfigError, get_config
-from jaxperf.perf.topology import TopologyError, compile_for_topology, format_report
+from jaxperf.train.topology import TopologyError, compile_for_topology, format_report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -139,8 +139,8 @@ class Generator:
         from jaxperf.config import from_dict
         from jaxperf.models import GPT
         from jaxperf.train.checkpoint import Checkpointer
-        from jaxperf.train.optimizer import make_optimizer
-        from jaxperf.train.step import Task, decay_mask
+        from jaxperf.step.optimizer import make_optimizer
+        from jaxperf.step.task import Task, decay_mask
 
         run_dir = Path(run_dir)
         cfg_file = run_dir / "config.json"

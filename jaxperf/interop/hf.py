@@ -427,7 +427,7 @@ def load_hf_model(directory: str, *, mesh=None, rules="fsdp", **overrides):
     from jaxperf import _compat
     from jaxperf.models.gpt import GPT
     from jaxperf.parallel.rules import get_rules
-    from jaxperf.train.step import Task
+    from jaxperf.step.task import Task
 
     cfg, params = import_hf(directory, **overrides)
     if mesh is not None:

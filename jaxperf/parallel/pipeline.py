@@ -1,7 +1,8 @@
 """Pipeline parallelism: GPipe over a `stage` mesh axis, written with shard_map and `lax.ppermute`.
 
     out_MxBxLxD = gpipe(stage_fn, params_N, x_MxBxLxD, mesh, axis="stage")
-    loss, aux = pipeline_loss(model, batch, mesh, n_micro=8)
+
+The built-in GPT runs its blocks through it with `jaxperf.models.pipelined.pipeline_loss`.
 
 The layers are stacked on a leading `layers` axis of N and split into S equal runs of N / S consecutive layers, one run
 per device of the `stage` axis. The batch is cut into M microbatches. On tick t stage s applies its layers to
@@ -24,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxperf import _compat
@@ -61,11 +61,11 @@ def check_stages(params: Any, n_stages: int) -> int:
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"every stage parameter needs the same leading layers axis, found leading sizes {sizes}")
     (n_layers,) = sizes
-    _check_layers(n_layers, n_stages)
+    check_layers(n_layers, n_stages)
     return n_layers
 
 
-def _check_layers(n_layers: int, n_stages: int) -> None:
+def check_layers(n_layers: int, n_stages: int) -> None:
     if n_layers % n_stages:
         ok = [s for s in range(1, n_layers + 1) if n_layers % s == 0]
         raise ValueError(
@@ -170,72 +170,3 @@ def split_microbatches(x_Bx: jax.Array, n_micro: int) -> jax.Array:
             f"or a batch size that is a multiple of {n_micro}"
         )
     return x_Bx.reshape(n_micro, B // n_micro, *x_Bx.shape[1:])
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# The jaxperf GPT through the pipeline: embedding and loss outside, the Transformer blocks inside.
-
-
-def _stacked_blocks(model) -> tuple[nnx.GraphDef, Any]:
-    """(graphdef of one block, block state with every leaf stacked on a leading layers axis)."""
-    if model.cfg.scan_layers:
-        return nnx.split(model.blocks)
-    graphdef, first = nnx.split(model.blocks[0])
-    states = [first] + [nnx.split(b)[1] for b in list(model.blocks)[1:]]
-    return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-
-def pipeline_hidden(model, tokens_BxL: jax.Array, mesh: Mesh, n_micro: int, axis: str = "stage", *,
-                    batch_axes=None) -> jax.Array:
-    """`model.hidden(tokens)` with the blocks run through `gpipe`: final-norm hidden states [B, L, D].
-
-    Positions are 0..L-1 and there are no segment ids, as in `GPT.next_token_loss`. The model's `remat` setting applies
-    to each layer as in `GPT.hidden`.
-    """
-    from jaxperf.models.gpt import REMAT_POLICIES  # here, not at the top: jaxperf.models imports jaxperf.parallel
-
-    cfg = model.cfg
-    B, L = tokens_BxL.shape
-    if L > cfg.max_seq_len:
-        raise ValueError(f"sequence length {L} is above model.max_seq_len={cfg.max_seq_len}")
-    if axis not in mesh.shape:
-        raise ValueError(f"mesh axes {tuple(mesh.shape)} have no pipeline axis {axis!r}")
-    _check_layers(cfg.n_layers, mesh.shape[axis])
-    tokens_MxBmxL = split_microbatches(tokens_BxL, n_micro)
-    dt = jnp.dtype(cfg.dtype)
-    x_MxBmxLxD = jnp.take(model.embed_VxD[...], tokens_MxBmxL, axis=0).astype(dt)
-    if model.pos_LxD is not None:
-        x_MxBmxLxD = x_MxBmxLxD + model.pos_LxD[...][:L].astype(dt)[None, None]
-
-    graphdef, block_state = _stacked_blocks(model)
-
-    def layer(state, x_BxLxD):
-        positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], x_BxLxD.shape[:2])
-        return nnx.merge(graphdef, state)(x_BxLxD, positions_BxL, None)
-
-    if cfg.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
-    y_MxBmxLxD = gpipe(scan_stage(layer), block_state, x_MxBmxLxD, mesh, axis, batch_axes=batch_axes)
-    return model.final_norm(y_MxBmxLxD.reshape(B, L, -1))
-
-
-def pipeline_loss(model, batch: dict[str, jax.Array], mesh: Mesh, n_micro: int, axis: str = "stage", *,
-                  batch_axes=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """`GPT.next_token_loss` (fp32 logits path) with the Transformer blocks pipelined over `axis` in `n_micro` parts.
-
-    The embedding, final norm, output projection and loss run outside the pipeline as ordinary (GSPMD) ops; only the
-    blocks run per stage. The loss is the mean over every unmasked token of the whole batch, so it and its gradients
-    equal the unpipelined model's. Fits the step builder's `LossFn` with
-    `functools.partial(pipeline_loss, mesh=mesh, n_micro=8)`.
-
-        loss, aux = pipeline_loss(model, {"inputs": x_BxL, "targets": y_BxL}, mesh, n_micro=8)
-    """
-    from jaxperf.models.gpt import cross_entropy_from_logits
-
-    inputs, targets = batch["inputs"], batch["targets"]
-    mask = batch.get("mask")
-    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    h_BxLxD = pipeline_hidden(model, inputs, mesh, n_micro, axis, batch_axes=batch_axes)
-    logits_BxLxV = jnp.einsum("bld,dv->blv", h_BxLxD, model.output_weights().astype(h_BxLxD.dtype))
-    return cross_entropy_from_logits(logits_BxLxV, targets, mask)
-

@@ -33,10 +33,10 @@ from jaxperf.parallel.rules import get_rules
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import peak_flops
-from jaxperf.train.explicit import FlavouredStep, build_train_step, check_flavour
-from jaxperf.train.health import HealthOptions
-from jaxperf.train.optimizer import make_optimizer
-from jaxperf.train.step import LossFn, Task, TrainState, decay_mask, next_token_loss
+from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
+from jaxperf.step.health import HealthOptions
+from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.task import LossFn, Task, TrainState, decay_mask, next_token_loss
 
 
 def _log(msg: str) -> None:

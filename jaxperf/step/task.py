@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxperf import _compat
 from jaxperf.parallel.rules import Rules, activation_sharding, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
-from jaxperf.train.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
+from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -38,7 +38,7 @@ class TrainState:
     params: Any  # nested dict of arrays (the module's nnx.Param values)
     opt_state: Any  # optax state
     model_state: Any  # nnx.State of non-parameter variables (often empty)
-    health: Any  # skip counters, loss scale, recent losses (jaxperf.train.health)
+    health: Any  # skip counters, loss scale, recent losses (jaxperf.step.health)
 
 
 def _global_norm(tree) -> jax.Array:
@@ -56,7 +56,7 @@ def finish_step(tx, opts: HealthOptions, state: TrainState, grads, loss, tokens,
     """The end of every step flavour: optimizer update, the numerical-health select, and the metrics.
 
     `grads` and `loss` are the final (averaged, unscaled) values and `tokens` the batch weight; the jit step calls it
-    on global arrays, the explicit-collective steps (jaxperf.train.explicit) on per-device values that are already
+    on global arrays, the explicit-collective steps (jaxperf.explicit.flavours) on per-device values that are already
     reduced. Returns (new TrainState, metrics).
     """
     updates, opt_state = tx.update(grads, state.opt_state, state.params)

@@ -1,6 +1,6 @@
 """The train step with its collectives written out by hand: shard_map and pmap twins of the jit step.
 
-`parallel.flavour` picks how the one train step of jaxperf.train.step is written. All flavours give the same numbers
+`parallel.flavour` picks how the one train step of jaxperf.step.task is written. All flavours give the same numbers
 (tests/test_flavours.py checks them against a single-device jit step) and the same checkpoints:
 
   jit        GSPMD: the step is written for one big device and XLA derives every collective from the shardings of the
@@ -69,7 +69,7 @@ from jaxperf import _compat
 from jaxperf.config import FLAVOURS, ConfigError
 from jaxperf.parallel.rules import explicit_tensor_parallel, layer_params_hook, logical_to_spec
 from jaxperf.parallel.sharding import replicated
-from jaxperf.train.step import LossFn, Task, TrainState, finish_step
+from jaxperf.step.task import LossFn, Task, TrainState, finish_step
 
 PMAP_AXIS = "replica"  # the axis name the pmap step reduces over
 TENSOR_AXIS = "tensor"

@@ -64,8 +64,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     from jaxperf.perf.flops import flops_per_token
     from jaxperf.perf.hardware import chip_for
     from jaxperf.perf.memory import estimate
-    from jaxperf.train.optimizer import make_optimizer
-    from jaxperf.train.step import Task, decay_mask, next_token_loss
+    from jaxperf.step.optimizer import make_optimizer
+    from jaxperf.step.task import Task, decay_mask, next_token_loss
 
     if slices < 1:
         raise TopologyError(f"--slices {slices} must be >= 1")

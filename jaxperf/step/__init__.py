@@ -1,0 +1,10 @@
+"""The one train step: a model placed on a mesh by a rule table (Task), its optimizer and its numerical health."""
+
+from jaxperf.step.health import HealthOptions
+from jaxperf.step.optimizer import lr_schedule, make_optimizer
+from jaxperf.step.task import LossFn, Task, TrainState, decay_mask, finish_step, next_token_loss
+
+__all__ = [
+    "HealthOptions", "LossFn", "Task", "TrainState", "decay_mask", "finish_step", "lr_schedule", "make_optimizer",
+    "next_token_loss",
+]
