@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, mesh_shape, validate
+from jaxperf.config import (
+    PRESETS, ConfigError, ModelConfig, ParallelConfig, TrainConfig, apply_overrides, from_dict, get_config, mesh_shape,
+    register_preset, to_dict, validate,
+)
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel.rules import get_rules
 from jaxperf.models import count_params
 
 
@@ -64,9 +72,6 @@ def test_seq_len_above_model_max():
 
 
 def test_unused_mesh_axis_is_an_error():
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-
     mesh = make_mesh(ParallelConfig(strategy="fsdp", fsdp=4, tensor=2))
     with pytest.raises(ConfigError, match=r"tensor=2 but strategy 'fsdp' maps nothing onto it.*'tp' or 'fsdp_tp'"):
         get_rules("fsdp", mesh)
@@ -78,3 +83,52 @@ def test_presets_have_their_documented_sizes():
     assert round(count_params(get_config("gpt2-medium").model) / 1e6) == 355
     assert 0.95e9 < count_params(get_config("llama-1b").model) < 1.1e9
     assert ModelConfig(style="llama", d_model=96).resolved().mlp_dim == 256
+
+
+def test_choices_come_from_the_annotations_and_suggest_the_closest():
+    assert get_config("tiny", ["style=llama", "remat=full", "tokenizer=bpe"]).model.style == "llama"
+    with pytest.raises(ConfigError, match=r"unknown model.remat 'ful'; choose one of none, full, .*Did you mean 'full'"):
+        get_config("tiny", ["remat=ful"])
+    with pytest.raises(ConfigError, match=r"unknown model.norm 'batchnorm'; choose one of layernorm, rmsnorm"):
+        get_config("tiny", ["norm=batchnorm"])  # an Optional choice: none is allowed too
+    assert get_config("tiny", ["norm=none"]).model.norm is None
+    # A config built in Python (no parser) meets the same choices when it is validated.
+    with pytest.raises(ConfigError, match=r"model.dtype='fp8' is not one of \('float32', 'bfloat16', 'float16'\)"):
+        validate(dataclasses.replace(get_config("tiny"), model=ModelConfig(dtype="fp8")), 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    sizes: tuple[int, ...] = (1, 2)
+    names: list[str] = dataclasses.field(default_factory=list)
+    rate: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    inner: Inner = Inner()
+    flag: bool = False
+
+
+def test_any_annotated_field_parses_including_tuples_and_nested_sections():
+    cfg = apply_overrides(Outer(), ["inner.sizes=4,8,16", "names=[\"a\", \"b\"]", "rate=1e-3", "flag=yes"])
+    assert cfg == Outer(Inner((4, 8, 16), ["a", "b"], 1e-3), True)
+    assert apply_overrides(cfg, {"inner.sizes": [3], "rate": None}).inner == Inner((3,), ["a", "b"], None)
+    with pytest.raises(ConfigError, match=r"'inner.sizes' wants tuple\[int, \.\.\.\], got '4,x'"):
+        apply_overrides(Outer(), ["sizes=4,x"])
+    with pytest.raises(ConfigError, match=r"'inner.rate' wants float \| None, got 'fast'"):
+        apply_overrides(Outer(), ["rate=fast"])
+
+
+def test_presets_are_functions_and_configs_round_trip_through_json():
+    assert set(PRESETS) >= {"tiny", "gpt2-small", "gpt2-medium", "llama-1b"}
+    assert all(isinstance(make(), TrainConfig) for make in PRESETS.values())
+    cfg = get_config("llama-1b", ["batch_size=8"])
+    assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
+    with pytest.raises(ConfigError, match=r"ModelConfig has no field\(s\) n_experts"):
+        from_dict({**to_dict(cfg), "model": {**to_dict(cfg)["model"], "n_experts": 8}})
+    register_preset("tiny-short", lambda: dataclasses.replace(PRESETS["tiny"](), max_steps=7))
+    try:
+        assert get_config("tiny-short", ["seed=3"]).max_steps == 7
+    finally:
+        PRESETS.pop("tiny-short")

@@ -1,0 +1,221 @@
+"""The configuration of a run: frozen dataclasses, one per section, every field with its type and a comment.
+
+    TrainConfig(model=ModelConfig(...), optim=OptimConfig(...), parallel=ParallelConfig(...), data=DataConfig(...))
+
+Fields with a fixed set of values are `Literal` types: the override parser (jaxperf.config.overrides) and
+`validate_model` read the choices from the annotations, so they are written once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the numbers and the fix."""
+
+
+Style = Literal["gpt2", "llama"]  # gpt2: LayerNorm, learned positions, GELU, MHA; llama: RMSNorm, RoPE, SwiGLU, GQA
+Norm = Literal["layernorm", "rmsnorm"]
+Position = Literal["learned", "rope"]
+MlpAct = Literal["gelu", "swiglu"]
+Remat = Literal["none", "full", "save_dots", "save_dots_no_batch", "save_attn_proj"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+ParamDtype = Literal["float32", "bfloat16"]
+NormImpl = Literal["auto", "xla", "pallas"]
+LossImpl = Literal["auto", "xla", "pallas", "chunked"]
+Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
+Flavour = Literal["jit", "shard_map", "pmap"]
+Tokenizer = Literal["byte", "bpe"]
+LossScale = Literal["auto", "dynamic", "none"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only Transformer. `style` picks GPT-2 or Llama defaults; fields left None follow the style."""
+
+    style: Style = "gpt2"  # "gpt2": LayerNorm, learned positions, GELU, MHA. "llama": RMSNorm, RoPE, SwiGLU, GQA.
+    vocab_size: int = 256  # rounded up to `vocab_multiple` for the embedding table
+    vocab_multiple: int = 128  # pad the vocabulary to a multiple of this (tensor cores, even sharding)
+    max_seq_len: int = 128  # longest sequence the model accepts (size of the learned position table)
+    d_model: int = 128  # embed
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query; 1 = multi-query
+    head_dim: int | None = None  # None = d_model // n_heads
+    mlp_dim: int | None = None  # None = 4 * d_model (gelu) or 8/3 * d_model rounded up to 64 (swiglu)
+    norm: Norm | None = None
+    position: Position | None = None
+    mlp_act: MlpAct | None = None
+    use_bias: bool | None = None  # biases in projections and norms (gpt2: yes, llama: no)
+    tie_embeddings: bool = True  # output projection = embedding table transposed
+    scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
+    scan_unroll: int = 1  # layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params;
+    # remat then saves little: see jaxperf.perf.memory)
+    remat: Remat = "none"  # what the backward recomputes (jaxperf.models.gpt.REMAT_POLICIES)
+    dtype: Dtype = "float32"  # compute dtype (parameters stay param_dtype)
+    param_dtype: ParamDtype = "float32"
+    attention_impl: str = "auto"  # auto | xla | cudnn | pallas | any name registered with register_attention
+    norm_impl: NormImpl = "auto"  # see jaxperf.models.kernels
+    loss_impl: LossImpl = "auto"  # pallas and chunked never build [tokens, vocab] logits
+    # Materialise each matmul's output gradient before the backward matmuls (helps XLA:CPU, which otherwise fuses
+    # elementwise gradients into slow transposing copies). None: on when the step is compiled for CPU devices.
+    matmul_grad_barrier: bool | None = None
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def resolved(self) -> "ModelConfig":
+        """A copy with every style-dependent None filled in."""
+        llama = self.style == "llama"
+        n_kv = self.n_kv_heads or self.n_heads
+        head_dim = self.head_dim or self.d_model // self.n_heads
+        act = self.mlp_act or ("swiglu" if llama else "gelu")
+        if self.mlp_dim is not None:
+            mlp = self.mlp_dim
+        elif act == "swiglu":
+            mlp = 64 * math.ceil(8 * self.d_model / 3 / 64)
+        else:
+            mlp = 4 * self.d_model
+        return dataclasses.replace(
+            self,
+            n_kv_heads=n_kv,
+            head_dim=head_dim,
+            mlp_dim=mlp,
+            norm=self.norm or ("rmsnorm" if llama else "layernorm"),
+            position=self.position or ("rope" if llama else "learned"),
+            mlp_act=act,
+            use_bias=(not llama) if self.use_bias is None else self.use_bias,
+        )
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.vocab_multiple * math.ceil(self.vocab_size / self.vocab_multiple)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up, cosine decay to `min_lr_ratio * lr`, and global-norm clipping."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    decay_steps: int | None = None  # None = the run's max_steps
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # not applied to norms, biases (any parameter with fewer than 2 dims)
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The device mesh (axes data x fsdp x tensor; -1 = the rest of the devices) and the sharding strategy."""
+
+    strategy: Strategy = "fsdp"  # rule table (jaxperf.parallel.rules)
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    # Slices of a multi-slice TPU job (or any groups of devices joined by a slower network, DCN): the `data` axis
+    # spans them, so only the gradient all-reduce crosses DCN; data/fsdp/tensor above describe one slice.
+    dcn_data: int = 1
+    flavour: Flavour = "jit"  # how the step is written: jit (GSPMD) or by hand (jaxperf.explicit.flavours)
+    # shard_map dp: all-reduce each layer's gradients inside the backward pass, as soon as that layer is done
+    overlap_grad_reduce: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. The default corpus is the Python standard library's own source (always present)."""
+
+    source: str = "stdlib"  # "stdlib" | a text file or glob | a token file "x.bin" or "x.bin:uint32"
+    tokenizer: Tokenizer = "byte"  # bpe: trained on the corpus with model.vocab_size, or from tokenizer_path
+    tokenizer_path: str | None = None  # a tokenizer.json for "bpe"
+    max_bytes: int | None = None  # use only this prefix of a text corpus
+    val_fraction: float = 0.01  # tail of the token stream held out for evaluation
+    cache_dir: str = "~/.cache/jaxperf"  # tokenizer and tokenized-corpus cache
+    prefetch: int = 2  # batches prepared ahead on a background thread
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """A whole training run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    batch_size: int = 16  # global batch, in sequences
+    microbatches: int = 1  # gradient accumulation: the batch is split into this many sequential microbatches
+    seq_len: int | None = None  # None = model.max_seq_len
+    max_steps: int = 300
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100  # 0 disables
+    eval_batches: int = 4
+    checkpoint_every: int = 100  # 0 = only at the end
+    keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
+    keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
+    compile_cache_dir: str = "~/.cache/jaxperf/xla"  # JAX's persistent compilation cache ("" = off)
+    check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
+    handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
+    run_dir: str = "runs/default"
+    resume: bool = True  # continue from the newest checkpoint in run_dir
+    sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)
+    sample_prompt: str = "def "
+    tensorboard: bool = True  # also write TensorBoard events when tensorboardX is installed
+    skip_nonfinite: bool = True  # a step with a non-finite loss or gradient leaves the state untouched (counted)
+    max_consecutive_skips: int = 10  # stop the run after this many skipped steps in a row
+    spike_sigma: float = 0.0  # also skip a step whose loss exceeds mean + sigma * std of recent losses (0 = off)
+    spike_window: int = 100
+    loss_scale: LossScale = "auto"  # auto: dynamic for float16 compute
+
+    @property
+    def train_seq_len(self) -> int:
+        return self.seq_len or self.model.max_seq_len
+
+
+SECTIONS = ("model", "optim", "parallel", "data")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """{field name: resolved annotation} of a config dataclass."""
+    return typing.get_type_hints(cls)
+
+
+def choices(cls: type, name: str) -> tuple | None:
+    """The values a Literal field allows (None also allowed when it is Optional), or None for other fields."""
+    tp = field_types(cls)[name]
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    lits = [a for a in args if typing.get_origin(a) is Literal]
+    return typing.get_args(lits[0]) if lits else None
+
+
+def to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """The config as plain JSON-able data (the run directory's config.json)."""
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(d: dict[str, Any], cls: type = TrainConfig) -> Any:
+    """The config `to_dict` wrote (nested sections rebuilt, lists back to tuples); an unknown key is a ConfigError."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has no field(s) {', '.join(unknown)}: the config was written by another "
+                          f"version of jaxperf; remove them or upgrade")
+    kwargs = {}
+    for name, value in d.items():
+        tp = field_types(cls)[name]
+        if dataclasses.is_dataclass(tp) and isinstance(value, dict):
+            value = from_dict(value, tp)
+        elif typing.get_origin(tp) is tuple and isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    return cls(**kwargs)
