@@ -64,12 +64,12 @@ def test_dense_is_the_einsum_in_value_and_gradient(materialise):
     r = jnp.arange(2 * 5 * 6, dtype=jnp.float32).reshape(2, 5, 6) / 60
 
     def ours(x, w):
-        return jnp.sum(jax.nn.gelu(dense(x, w, n_in=2, materialise_grad=materialise)) * r)
+        return jnp.sum(jax.nn.gelu(dense(x, w, n_in=2, grad_barrier=materialise)) * r)
 
     def ref(x, w):
         return jnp.sum(jax.nn.gelu(jnp.einsum("blnh,nhd->bld", x, w)) * r)
 
-    np.testing.assert_allclose(dense(x, w, n_in=2, materialise_grad=materialise),
+    np.testing.assert_allclose(dense(x, w, n_in=2, grad_barrier=materialise),
                                jnp.einsum("blnh,nhd->bld", x, w), rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w), jax.grad(ref, argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,8 @@
              fsdp (ZeRO-3): each device stores 1/n of every parameter and of its optimizer moments, placed exactly as
                the jit fsdp strategy places them (the rule table's `embed` dim over `fsdp`). Each layer's weights are
                all-gathered (`lax.all_gather(..., tiled=True)` along the sharded dim) when that layer runs, inside
-               the scan over layers (the model hands them over through `on_layer_params`), and autodiff turns each
+               the scan over layers (the model hands them over through its `hooks.layer_params`, see
+               jaxperf.models.hooks), and autodiff turns each
                gather into a reduce-scatter (`lax.psum_scatter`) inside the backward scan, so each device ends with
                the batch-summed gradient of exactly the shard it stores, layer by layer; the embeddings and final
                norm are gathered before and reduce-scattered after. (A model without stacked layers under `blocks`
@@ -25,10 +26,10 @@
              tp (Megatron), also with dp or fsdp: each device keeps its own attention heads, KV heads and MLP columns
                (the dims the rule table puts on `tensor`) and runs the layers on them; the attention-output and
                MLP-output matmuls then hold partial sums, which the layers add up with `lax.psum` over `tensor`
-               (`jaxperf.parallel.rules.row_parallel_reduce`). Autodiff under shard_map's replication check puts
+               (the step installs `hooks.row_parallel = psum over tensor`). Autodiff under shard_map's replication check puts
                the matching psum of the input gradient into the backward by itself. A parameter the rule table splits
                over `tensor` on any other dim (the embedding's vocabulary) enters whole and its gradient leaves whole.
-               A custom model runs this flavour only if its row-parallel layers call `row_parallel_reduce`.
+               A custom model runs this flavour only if its row-parallel layers call `hooks.row_parallel`.
   pmap       data parallelism the classic way, one process: the state carries a leading device axis, `jax.pmap` runs
              the same per-device step as shard_map dp. `FlavouredStep.to_step` / `from_step` convert at the boundary,
              so the Trainer checkpoints, evaluates and logs the usual state.
@@ -55,7 +56,6 @@ Legend: n devices on the data-parallel axes, B global batch rows, b = B / n rows
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +67,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
 from jaxperf.config import FLAVOURS, ConfigError
-from jaxperf.parallel.rules import explicit_tensor_parallel, layer_params_hook, logical_to_spec
+from jaxperf.models.hooks import LayerHooks
+from jaxperf.parallel.rules import logical_to_spec
 from jaxperf.parallel.sharding import replicated
 from jaxperf.step.task import LossFn, Task, TrainState, finish_step
 
@@ -76,7 +77,6 @@ TENSOR_AXIS = "tensor"
 # Logical dims that stay split over the tensor axis inside the shard_map body: each device runs its own heads and MLP
 # columns (Megatron). Any other dim the rule table puts on the tensor axis is gathered at the shard_map boundary.
 TENSOR_LOCAL = frozenset({"heads", "kv_heads", "mlp"})
-LAYERS_KEY = "blocks"  # where a model that calls `on_layer_params` keeps its layers' parameters (the built-in GPT)
 
 
 def _identity(x):
@@ -263,13 +263,27 @@ def _reduce_scatter(grad, spec: P, axes: tuple[str, ...]):
 # Per-device pieces shared by the flavours
 
 
+class _CountingHooks:
+    """LayerHooks whose `layer_params` counts its calls: a model that never calls it cannot run the flavour."""
+
+    def __init__(self, layer_params):
+        self.calls = 0
+
+        def counted(params):
+            self.calls += 1
+            return layer_params(params)
+
+        self.hooks = LayerHooks(layer_params=counted)
+
+
 def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale, microbatches: int, vary,
-                 weighted: bool = False):
+                 weighted: bool = False, hooks: LayerHooks | None = None):
     """This device's (Σ grads·w, Σ w, Σ loss·w, model state) over its k microbatches, with no communication.
 
     `params` must already be per-device values; `vary` marks a fresh constant as one (the accumulators). With
     `weighted` the loss is multiplied by its weight before differentiating (needed when a collective inside the
-    backward sums gradients across devices, so that it sums weighted ones); the result is the same.
+    backward sums gradients across devices, so that it sums weighted ones); the result is the same. `hooks` are
+    installed on the model (jaxperf.models.hooks).
     """
 
     def scaled_loss(model, mb, s):
@@ -283,7 +297,7 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
 
     zero = vary(jnp.zeros((), jnp.float32))
     if microbatches == 1:
-        loss, w, _, model_state, g = task._grads(scaled_loss, params, model_state, batch, scale)
+        loss, w, _, model_state, g = task._grads(scaled_loss, params, model_state, batch, scale, hooks)
         lw, gw = weigh(loss, w, g)
         # `zero +` keeps a weight that does not depend on the rows (a loss without aux["weight"]) per device too.
         return gw, zero + w, zero + lw, model_state
@@ -299,7 +313,7 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
 
     def body(carry, mb):
         g_sum, w_sum, l_sum, ms = carry
-        loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale)
+        loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale, hooks)
         lw, gw = weigh(loss, w, g)
         return (jax.tree.map(jnp.add, g_sum, gw), w_sum + w, l_sum + lw, ms), None
 
@@ -314,8 +328,9 @@ def _loss_scale(task: Task, state: TrainState):
 
 
 def _stacked_layers(task: Task) -> bool:
-    """Whether the task's parameters keep their layers stacked under LAYERS_KEY (a scanned model)."""
-    axes = task.param_axes.get(LAYERS_KEY) if isinstance(task.param_axes, dict) else None
+    """Whether the task's model keeps its layers stacked under `task.layer_stack` (a scanned model)."""
+    key = task.layer_stack
+    axes = task.param_axes.get(key) if key and isinstance(task.param_axes, dict) else None
     leaves = jax.tree.leaves(axes, is_leaf=lambda x: x is None or isinstance(x, tuple)) if axes else []
     return bool(leaves) and all(isinstance(a, tuple) and a[:1] == ("layers",) for a in leaves)
 
@@ -324,34 +339,35 @@ def _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale
                           vary, whole, missing):
     """fsdp under shard_map with the layers' weights gathered inside the layer scan, as each layer runs.
 
-    The layers' parameters stay shards; `on_layer_params` (the model calls it for every layer) all-gathers that
+    The layers' parameters stay shards; the model's `hooks.layer_params` (called for every layer) all-gathers that
     layer's slice. Autodiff transposes each all-gather into a reduce-scatter inside the backward scan, so every
     layer's gradient leaves the backward already summed over `fsdp` and cut to this device's shard; what is left is
     a psum over data-parallel axes the parameter is not sharded over. The loss is weighted before differentiating so
     those in-backward sums are sums of weighted gradients. Everything else (embeddings, final norm) is gathered whole
     up front and reduce-scattered after, as in the all-at-once path.
     """
-    layer_specs = jax.tree.map(lambda spec: P(*tuple(spec)[1:]), data_specs[LAYERS_KEY],
+    key = task.layer_stack
+    layer_specs = jax.tree.map(lambda spec: P(*tuple(spec)[1:]), data_specs[key],
                                is_leaf=lambda x: isinstance(x, P))
     spec_leaves = jax.tree.leaves(layer_specs, is_leaf=lambda x: isinstance(x, P))
 
     def gather_layer(layer_params):
         leaves, treedef = jax.tree.flatten(layer_params)
         if len(leaves) != len(spec_leaves):
-            raise ValueError(f"on_layer_params got {len(leaves)} arrays for a layer whose parameters under "
-                             f"{LAYERS_KEY!r} are {len(spec_leaves)}")
+            raise ValueError(f"hooks.layer_params got {len(leaves)} arrays for a layer whose parameters under "
+                             f"{key!r} are {len(spec_leaves)}")
         return jax.tree.unflatten(treedef, [_gather(x, sp) for x, sp in zip(leaves, spec_leaves)])
 
     params = {k: (jax.tree.map(lambda b, spec: _cast_varying(b, missing(spec)), v, data_specs[k])
-                  if k == LAYERS_KEY else jax.tree.map(whole, v, data_specs[k]))
+                  if k == key else jax.tree.map(whole, v, data_specs[k]))
               for k, v in param_blocks.items()}
-    with layer_params_hook(gather_layer) as hook:
-        g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches, vary,
-                                            weighted=True)
-    if hook.calls == 0:
-        raise ConfigError(f"the model keeps stacked layers under {LAYERS_KEY!r} but never passed them through "
-                          f"jaxperf.parallel.rules.on_layer_params, so fsdp under shard_map cannot gather them")
-    g = {k: (jax.tree.map(lambda x, spec: _sum_over(x, missing(spec)), v, data_specs[k]) if k == LAYERS_KEY
+    hooks = _CountingHooks(gather_layer)
+    g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches, vary,
+                                        weighted=True, hooks=hooks.hooks)
+    if hooks.calls == 0:
+        raise ConfigError(f"the model keeps stacked layers under {key!r} but never passed them through its "
+                          f"hooks.layer_params (jaxperf.models.hooks), so fsdp under shard_map cannot gather them")
+    g = {k: (jax.tree.map(lambda x, spec: _sum_over(x, missing(spec)), v, data_specs[k]) if k == key
              else jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), v, data_specs[k]))
          for k, v in g.items()}
     return g, _sum_over(w, axes), _sum_over(l, axes), model_state
@@ -384,15 +400,16 @@ def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, sc
 
     def overlapped(state: TrainState, batch, scale):
         params = vary(state.params)
-        with layer_params_hook(_psum_in_backward(axes)) as hook:
-            g, w, lw, model_state = _local_grads(task, loss_fn, params, state.model_state, batch, scale, 1, vary,
-                                                 weighted=True)
-        if hook.calls == 0 or not isinstance(g, dict) or LAYERS_KEY not in g:
+        key = task.layer_stack
+        hooks = _CountingHooks(_psum_in_backward(axes))
+        g, w, lw, model_state = _local_grads(task, loss_fn, params, state.model_state, batch, scale, 1, vary,
+                                             weighted=True, hooks=hooks.hooks)
+        if hooks.calls == 0 or not isinstance(g, dict) or key not in g:
             raise ConfigError(
-                f"parallel.overlap_grad_reduce needs a model that keeps its layers' parameters under "
-                f"{LAYERS_KEY!r} and passes them through jaxperf.parallel.rules.on_layer_params (the built-in GPT "
-                f"does); this model {'never called it' if hook.calls == 0 else 'has no ' + repr(LAYERS_KEY)}")
-        g = {k: (v if k == LAYERS_KEY else jax.tree.map(psum, v)) for k, v in g.items()}
+                f"parallel.overlap_grad_reduce needs a model that keeps its layers' parameters under its "
+                f"`layer_stack` key and passes them through its hooks.layer_params (jaxperf.models.hooks; the "
+                f"built-in GPT does); this model {'never called it' if hooks.calls == 0 else 'has no ' + repr(key)}")
+        g = {k: (v if k == key else jax.tree.map(psum, v)) for k, v in g.items()}
         return g, psum(w), psum(lw), model_state  # sums over devices of grads x w, w, loss x w (all times scale)
 
     def step(state: TrainState, batch):
@@ -474,9 +491,9 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
                 return _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale, microbatches,
                                              data_specs, axes, vary_all, whole, missing)
             params = jax.tree.map(whole, param_blocks, data_specs)
-            with explicit_tensor_parallel(TENSOR_AXIS) if tensor_parallel else contextlib.nullcontext():
-                g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
-                                                    vary_all)
+            hooks = LayerHooks(row_parallel=lambda y: lax.psum(y, TENSOR_AXIS)) if tensor_parallel else None
+            g, w, l, model_state = _local_grads(task, loss_fn, params, model_state, batch, scale, microbatches,
+                                                vary_all, hooks=hooks)
             g = jax.tree.map(lambda x, spec: _reduce_scatter(x, spec, axes), g, data_specs)
             return g, _sum_over(w, axes), _sum_over(l, axes), model_state
 

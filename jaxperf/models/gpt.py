@@ -18,7 +18,8 @@ from flax import nnx
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param, dense
-from jaxperf.parallel.rules import constrain, on_layer_params
+from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
+from jaxperf.parallel.rules import constrain
 
 # Logical axes of the KV cache [N, B, S, K, Dh]: rows follow the batch (data axes), KV heads follow the tensor axis.
 CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
@@ -44,7 +45,15 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
 
 
 class GPT(nnx.Module):
-    """Token embedding -> N pre-norm blocks -> final norm -> logits over the padded vocabulary."""
+    """Token embedding -> N pre-norm blocks -> final norm -> logits over the padded vocabulary.
+
+    `hooks` (jaxperf.models.hooks) lets a step written with explicit collectives reach into the layers: every layer's
+    parameters pass through `hooks.layer_params` where the layer runs, and every row-parallel matmul's output through
+    `hooks.row_parallel`. Stacked layers (`scan_layers`) keep their parameters under `layer_stack`.
+    """
+
+    hooks: LayerHooks = DEFAULT_HOOKS  # replaced per call by a step that needs them (Task.merge(..., hooks=))
+    layer_stack = "blocks"  # where the stacked layers' parameters live in the parameter tree
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         cfg = validate_model(cfg)
@@ -81,9 +90,10 @@ class GPT(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
 
         policy = REMAT_POLICIES[cfg.remat]
+        hooks = self.hooks
 
         def apply(graphdef, state, x, pos, seg):
-            return nnx.merge(graphdef, on_layer_params(state))(x, pos, seg)
+            return nnx.merge(graphdef, hooks.layer_params(state))(x, pos, seg, hooks)
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
@@ -157,7 +167,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
         """Logits [B, L, V] in the compute dtype."""
         h_BxLxD = self.hidden(tokens_BxL, positions_BxL, segment_ids_BxL)
-        logits = dense(h_BxLxD, self.output_weights().astype(h_BxLxD.dtype))
+        logits = dense(h_BxLxD, self.output_weights().astype(h_BxLxD.dtype),
+                       grad_barrier=bool(self.cfg.matmul_grad_barrier))
         return constrain(logits, ("batch", "seq", "vocab"))
 
 
@@ -183,6 +194,11 @@ class GPT(nnx.Module):
             h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
             mask.reshape(B * L), impl=impl)
         return total / jnp.maximum(count, 1.0), {"weight": count}
+
+
+def gpt_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The built-in GPT's train loss: `model.next_token_loss(batch)` (a `LossFn` for `jaxperf.step.Task`)."""
+    return model.next_token_loss(batch)
 
 
 def _loss_unavailable() -> str | None:

@@ -16,7 +16,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxperf._compat import no_eager_sharding
 from jaxperf.models import kernels
 from jaxperf.models.attention import attention
-from jaxperf.parallel.rules import constrain, row_parallel_reduce
+from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
+from jaxperf.parallel.rules import constrain
 
 Axes = tuple[str | None, ...]
 
@@ -41,15 +42,15 @@ def _materialise_cotangent(y: jax.Array) -> jax.Array:
 _materialise_cotangent.defvjp(lambda y: (y, None), lambda _, dy: (jax.lax.optimization_barrier(dy),))
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, materialise_grad: bool | None = None) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = False) -> jax.Array:
     """x [..., *In] @ w [*In, *Out] -> [..., *Out]: the last `n_in` dims of x contract with the first of w.
 
     Computed as one 2-D matmul [prod(...), prod(In)] x [prod(In), prod(Out)], so every backend sees the plain GEMM
-    shape, and its backward is two plain GEMMs. `materialise_grad` (default: on the CPU backend) makes the output's
-    cotangent a materialised array before the backward matmuls use it: without it XLA:CPU fuses the elementwise
-    gradient of the following op (GELU, bias, softmax) into a transposing copy for the weight gradient, which
-    measured about twice slower than the matmuls themselves (benchmarks/bench_train.py, tiny preset). On GPU and TPU
-    the fusion is left to XLA.
+    shape, and its backward is two plain GEMMs. `grad_barrier` makes the output's cotangent a materialised array
+    before the backward matmuls use it. XLA:CPU otherwise fuses the elementwise gradient of the following op (GELU,
+    bias, softmax) into a transposing copy for the weight gradient, which costs more than the matmuls; GPU and TPU
+    compilers fuse that well, so the model config turns it on for CPU meshes only (`model.matmul_grad_barrier`,
+    settled by jaxperf.models.platform).
     """
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     if x.shape[x.ndim - n_in:] != in_shape:
@@ -57,9 +58,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, materialise_grad: bool |
     lead = x.shape[: x.ndim - n_in]
     k = math.prod(in_shape)
     y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out_shape))
-    if materialise_grad is None:
-        materialise_grad = jax.default_backend() == "cpu"
-    if materialise_grad:
+    if grad_barrier:
         y = _materialise_cotangent(y)
     return y.reshape(*lead, *out_shape)
 
@@ -134,6 +133,7 @@ class Attention(nnx.Module):
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
+        self.grad_barrier = bool(cfg.matmul_grad_barrier)
         self.wq_DxHxDh = _param(rngs, init, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
         self.wk_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
@@ -151,7 +151,7 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, x_BxLxD.dtype
 
         def proj(w, b, heads_axis):
-            y = dense(x_BxLxD, w[...].astype(dt))
+            y = dense(x_BxLxD, w[...].astype(dt), grad_barrier=self.grad_barrier)
             if b is not None:
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
@@ -163,18 +163,20 @@ class Attention(nnx.Module):
             q, k = rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta)
         return q, k, v
 
-    def _out(self, o_BxLxHxDh: jax.Array) -> jax.Array:
+    def _out(self, o_BxLxHxDh: jax.Array, hooks: LayerHooks) -> jax.Array:
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
-        y = row_parallel_reduce(dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2))
+        y = hooks.row_parallel(dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2,
+                                     grad_barrier=self.grad_barrier))
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
 
-    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None):
+    def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 hooks: LayerHooks = DEFAULT_HOOKS):
         q, k, v = self._qkv(x_BxLxD, positions_BxL)
         o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
-        return self._out(o_BxLxHxDh)
+        return self._out(o_BxLxHxDh, hooks)
 
     def cached(self, x_BxTxD, positions_BxT, k_cache_BxSxKxDh, v_cache_BxSxKxDh, index_B=None, *,
                attend=None):
@@ -200,7 +202,8 @@ class Attention(nnx.Module):
             v_cache = v_cache_BxSxKxDh.at[rows_B, index_B].set(v[:, 0], mode="drop")
             k_cache, v_cache = constrain(k_cache, cache_axes), constrain(v_cache, cache_axes)
             o = (attend or decode_attention)(q, k_cache, v_cache, index_B + 1)
-        return self._out(o.astype(x_BxTxD.dtype)), constrain(k_cache, cache_axes), constrain(v_cache, cache_axes)
+        return (self._out(o.astype(x_BxTxD.dtype), DEFAULT_HOOKS), constrain(k_cache, cache_axes),
+                constrain(v_cache, cache_axes))
 
 
 def decode_attention(q_Bx1xHxDh, k_cache_BxSxKxDh, v_cache_BxSxKxDh, lengths_B):
@@ -233,6 +236,7 @@ class MLP(nnx.Module):
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         pd = jnp.dtype(cfg.param_dtype)
         self.act = cfg.mlp_act
+        self.grad_barrier = bool(cfg.matmul_grad_barrier)
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
@@ -240,18 +244,18 @@ class MLP(nnx.Module):
         self.bias_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
         self.bias_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
-        h = dense(x_BxLxD, self.w_in_DxF[...].astype(dt))
+        h = dense(x_BxLxD, self.w_in_DxF[...].astype(dt), grad_barrier=self.grad_barrier)
         if self.bias_in_F is not None:
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
-            gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt))
+            gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt), grad_barrier=self.grad_barrier)
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h, approximate=True)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = row_parallel_reduce(dense(h_BxLxF, self.w_out_FxD[...].astype(dt)))
+        y = hooks.row_parallel(dense(h_BxLxF, self.w_out_FxD[...].astype(dt), grad_barrier=self.grad_barrier))
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")
@@ -268,11 +272,11 @@ class Block(nnx.Module):
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None):
-        attn_out = self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL)
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None, hooks: LayerHooks = DEFAULT_HOOKS):
+        attn_out = self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL, hooks)
         normed, x_BxLxD = self.mlp_norm(attn_out, residual=x_BxLxD)  # x + attn, normalised in the same pass
         x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
-        x_BxLxD = x_BxLxD + self.mlp(normed)
+        x_BxLxD = x_BxLxD + self.mlp(normed, hooks)
         return constrain(x_BxLxD, ("batch", "seq", "embed"))
 
     def cached(self, x_BxTxD, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):

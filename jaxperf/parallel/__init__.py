@@ -5,15 +5,12 @@ from jaxperf.parallel.collective_matmul import all_gather_matmul, matmul_reduce_
 from jaxperf.parallel.mesh import MESH_AXES, describe, make_mesh, mesh_shape
 from jaxperf.parallel.pipeline import bubble_fraction, gpipe
 from jaxperf.parallel.ring_attention import ring_attention, ring_attention_sharded
-from jaxperf.parallel.rules import (
-    STRATEGIES, Rules, activation_sharding, constrain, explicit_tensor_parallel, get_rules, logical_to_spec,
-    row_parallel_reduce,
-)
+from jaxperf.parallel.rules import STRATEGIES, Rules, activation_sharding, constrain, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, check_sharding, tree_shardings
 
 __all__ = [
     "MESH_AXES", "STRATEGIES", "Rules", "activation_sharding", "all_gather_matmul", "batch_sharding",
-    "bubble_fraction", "check_sharding", "constrain", "describe", "explicit_tensor_parallel", "get_rules", "gpipe",
+    "bubble_fraction", "check_sharding", "constrain", "describe", "get_rules", "gpipe",
     "logical_to_spec", "make_mesh", "matmul_reduce_scatter", "mesh_shape", "ring_attention", "ring_attention_sharded",
-    "row_parallel_reduce", "tree_shardings",
+    "tree_shardings",
 ]
