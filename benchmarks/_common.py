@@ -11,21 +11,28 @@ ceiling is not given a made-up one.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import math
 import platform
 from typing import Any
 
+import flax
 import jax
+import numpy as np
+
+from jaxperf.config import get_config, validate
+from jaxperf.explicit.flavours import build_train_step
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.perf.hardware import chip_for
+from jaxperf.perf.hardware import peak_flops as _peak
+from jaxperf.perf.hostmem import host_memory
+from jaxperf.step.task import build_task
 
 
 def context() -> dict[str, Any]:
     """Device, platform, device count, versions and date: the part of a record that says where it was measured."""
-    import flax
-
-    from jaxperf.perf.hostmem import host_memory
-
     devices = jax.devices()
     return {
         "device": devices[0].device_kind,
@@ -80,8 +87,6 @@ def emit(rec: dict[str, Any]) -> dict[str, Any]:
 
 def peak_flops(dtype: str) -> tuple[float, str]:
     """(peak FLOP/s per device, source) from jaxperf.perf.hardware."""
-    from jaxperf.perf.hardware import peak_flops as _peak
-
     return _peak(dtype)
 
 
@@ -91,8 +96,6 @@ def peak_bandwidth() -> tuple[float | None, str]:
     A measured CPU figure is not used as a ceiling here: a bandwidth benchmark compared with a probe of itself would
     report ~100% whatever the memory system can do.
     """
-    from jaxperf.perf.hardware import chip_for
-
     chip = chip_for()
     if chip is None:
         return None, "unknown"
@@ -101,8 +104,6 @@ def peak_bandwidth() -> tuple[float | None, str]:
 
 def check_close(name: str, got, want, rtol: float = 1e-4, atol: float = 1e-5) -> None:
     """Refuse to time a variant whose result disagrees with the reference (a fast wrong answer is no result)."""
-    import numpy as np
-
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape or not np.allclose(got, want, rtol=rtol, atol=atol):
         err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("nan")
@@ -117,32 +118,14 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
     the preset's strategy: the jitted Task step for `parallel.flavour=jit`, else the flavour's step from
     jaxperf.explicit.flavours (with `state` already in its layout).
     """
-    import numpy as np
-
-    from jaxperf.config import get_config, validate
-    from jaxperf.models import GPT
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.step.optimizer import make_optimizer
-    from jaxperf.step.task import Task, decay_mask, next_token_loss
-
-    cfg = get_config(preset, overrides or [])
+    cfg = dataclasses.replace(get_config(preset, overrides or []), seed=seed)
     validate(cfg, jax.device_count())
-    mesh = make_mesh(cfg.parallel)
-    rules = get_rules(cfg.parallel.strategy, mesh)
-    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None, seed=seed)
-    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx, seed=seed)
-    if cfg.parallel.flavour == "jit":
-        step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule, donate=donate)
-        state = task.init_state()
+    task = build_task(cfg, make_mesh(cfg.parallel))
+    if cfg.parallel.flavour == "jit":  # the jitted function itself, so callers can lower and compile it
+        step, state = task.train_step(microbatches=cfg.microbatches, donate=donate), task.init_state()
     else:
-        from jaxperf.explicit.flavours import build_train_step
-
-        step = build_train_step(task, next_token_loss, cfg.parallel.flavour, microbatches=cfg.microbatches,
-                                schedule=schedule, donate=donate,
-                                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
+        step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=cfg.microbatches,
+                                donate=donate, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
         state = step.to_step(task.init_state())
     B, L = cfg.batch_size, cfg.train_seq_len
     tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)

@@ -17,10 +17,17 @@ import statistics
 import sys
 import time
 
+import flax
 import jax
 import numpy as np
+import optax
 
+from jaxperf.config import get_config, to_dict, validate
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.perf.flops import flops_per_token
+from jaxperf.perf.hardware import peak_flops
 from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.step.task import build_task
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -31,28 +38,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
-    import flax
-    import optax
-
-    from jaxperf.config import get_config, to_dict, validate
-    from jaxperf.models import GPT
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.perf.flops import flops_per_token
-    from jaxperf.perf.hardware import peak_flops
-    from jaxperf.step.optimizer import make_optimizer
-    from jaxperf.step.task import Task, decay_mask, next_token_loss
-
     cfg = get_config(args.preset, args.overrides)
     validate(cfg, jax.device_count())
     mesh = make_mesh(cfg.parallel)
-    rules = get_rules(cfg.parallel.strategy, mesh)
-    make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None)
-    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx)
+    task = build_task(cfg, mesh)
     state = task.init_state()
-    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule)
+    step = task.train_step(microbatches=cfg.microbatches)
 
     B, L = cfg.batch_size, cfg.train_seq_len
     rng = np.random.default_rng(0)

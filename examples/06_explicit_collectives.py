@@ -6,7 +6,7 @@ Each flavour trains a tiny GPT for a few steps on the same batches from the same
 jit step is the reference. shard_map runs data parallel (lax.pmean of the gradients), ZeRO-3 / fsdp (lax.all_gather
 of the parameters, lax.psum_scatter of the gradients) and Megatron tensor parallelism (each device its own heads and
 MLP columns, lax.psum after the row-parallel matmuls); pmap runs data parallel with a leading device axis.
-See jaxperf/train/explicit.py.
+See jaxperf/explicit/flavours.py.
 """
 
 import os
@@ -19,13 +19,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import numpy as np  # noqa: E402
 
-from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig  # noqa: E402
-from jaxperf.models import GPT  # noqa: E402
-from jaxperf.parallel.mesh import describe, make_mesh  # noqa: E402
-from jaxperf.parallel.rules import get_rules  # noqa: E402
+from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig  # noqa: E402
 from jaxperf.explicit.flavours import build_train_step  # noqa: E402
-from jaxperf.step.optimizer import make_optimizer  # noqa: E402
-from jaxperf.step.task import Task, decay_mask, next_token_loss  # noqa: E402
+from jaxperf.parallel.mesh import describe, make_mesh  # noqa: E402
+from jaxperf.step.task import build_task  # noqa: E402
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=32)
 OPTIM = OptimConfig(lr=3e-3, warmup_steps=0)
@@ -51,13 +48,10 @@ def batches():
 
 def train(flavour: str, strategy: str, mesh_kw: dict) -> tuple[list[float], str]:
     devices = jax.devices()[: int(np.prod(list(mesh_kw.values())))]
-    mesh = make_mesh(ParallelConfig(strategy=strategy, **mesh_kw), devices)
-    rules = get_rules(strategy, mesh)
-    make = lambda rngs: GPT(MODEL, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None)
-    tx, schedule = make_optimizer(OPTIM, STEPS, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx)
-    step = build_train_step(task, next_token_loss, flavour, schedule=schedule)
+    parallel = ParallelConfig(strategy=strategy, **mesh_kw)
+    mesh = make_mesh(parallel, devices)
+    task = build_task(TrainConfig(model=MODEL, optim=OPTIM, parallel=parallel, max_steps=STEPS), mesh)
+    step = build_train_step(task, task.loss_fn, flavour)
     state = step.to_step(task.init_state())
     losses = []
     for batch in batches():

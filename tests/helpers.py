@@ -1,5 +1,5 @@
-"""Helpers for tests that run `jaxperf train` in subprocesses: the environment, one or two processes, their outputs,
-and the metrics a run wrote. Every wait is bounded."""
+"""What the tests share: tasks of small models on the simulated devices, deterministic batches, flat views of
+parameter trees, and `jaxperf` commands run in subprocesses (every wait bounded)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,86 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 
-def cli_env(tmp_path, devices: int = 8, **extra) -> dict:
-    """The environment of a CPU run with `devices` simulated devices and its own cache folder."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "XDG_CACHE_HOME": str(tmp_path / "cache"), **extra}
+from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.step.task import Task, build_task
+
+# A run small enough for a subprocess test: one layer of width 32 on bytes, logged every step, no eval or sample.
+SMALL_RUN = [
+    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
+    "data.max_bytes=300000", "optim.decay_steps=6", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
+    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# In-process tasks and data
+
+
+def make_task(model: ModelConfig, parallel: ParallelConfig = ParallelConfig(), *, optim: OptimConfig = OptimConfig(),
+              steps: int = 10, devices=None, seed: int = 0, **kw) -> Task:
+    """The Task `jaxperf train` would build for this model, mesh and optimizer (`build_task`); `devices` picks the
+    simulated devices of the mesh (default all 8); `**kw` goes to build_task (make_model, loss_fn, tx)."""
+    cfg = TrainConfig(model=model, optim=optim, parallel=parallel, max_steps=steps, seed=seed)
+    return build_task(cfg, make_mesh(parallel, devices), **kw)
+
+
+def flat(tree) -> dict[str, jax.Array]:
+    """{"blocks/attn/wq_DxHxDh": leaf, ...}: a parameter tree keyed by slash-joined paths."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = leaf
+    return out
+
+
+def random_batches(n: int, *, batch: int, seq: int, vocab: int = 256, keep: float = 1.0, seed: int = 1) -> list[dict]:
+    """n batches of random tokens; each token is kept in the loss with probability `keep` (a ragged mask makes
+    devices and microbatches hold different token counts)."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            "inputs": rng.integers(0, vocab, (batch, seq)).astype(np.int32),
+            "targets": rng.integers(0, vocab, (batch, seq)).astype(np.int32),
+            "mask": (rng.random((batch, seq)) < keep).astype(np.float32),
+        }
+        for _ in range(n)
+    ]
+
+
+def fixed_batch(batch: int = 8, seq: int = 32, vocab: int = 256, seed: int = 0, masked_prefix: int = 0) -> dict:
+    """One batch of a random token stream (targets are the inputs shifted by one); the first `masked_prefix` tokens
+    of every row are left out of the loss."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
+    mask = np.ones((batch, seq), np.float32)
+    mask[:, :masked_prefix] = 0.0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The jaxperf command in subprocesses
+
+
+def cli_env(tmp_path, devices: int | None = 8, **extra) -> dict:
+    """The environment of a CPU run with `devices` simulated devices (None: JAX's default, one) and its own cache."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "cache"), **extra}
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+def run_cli(tmp_path, *args, devices: int | None = 8, timeout: float = 300, **env) -> subprocess.CompletedProcess:
+    """`jaxperf *args` run to completion in tmp_path, output captured."""
+    return subprocess.run([sys.executable, "-m", "jaxperf.cli", *args], capture_output=True, text=True,
+                          env=cli_env(tmp_path, devices, **env), cwd=tmp_path, timeout=timeout)
 
 
 def start_train(tmp_path, args, devices: int = 8, **env) -> subprocess.Popen:
-    """`jaxperf train *args` in tmp_path, output captured."""
+    """`jaxperf train *args` started in tmp_path, output captured."""
     return subprocess.Popen([sys.executable, "-m", "jaxperf.cli", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=cli_env(tmp_path, devices, **env), cwd=tmp_path)
 
@@ -58,3 +129,8 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict]:
         if "loss" in r:
             out[r["step"]] = r
     return out
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> loss from a run's metrics.jsonl."""
+    return {step: r["loss"] for step, r in metrics_by_step(run_dir).items()}

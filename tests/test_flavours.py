@@ -5,21 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
 
+from helpers import SMALL_RUN, flat, make_task, random_batches, run_cli
 from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, get_config, validate
-from jaxperf.models import GPT
-from jaxperf.parallel.mesh import make_mesh
-from jaxperf.parallel.rules import get_rules
 from jaxperf.explicit.flavours import build_train_step
-from jaxperf.step.optimizer import make_optimizer
-from jaxperf.step.task import Task, decay_mask, next_token_loss
+from jaxperf.models import GPT
+from jaxperf.models.gpt import gpt_loss
+from jaxperf.step.task import Task
+from jaxperf.train.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 # 2 scanned layers, 4 heads of 8, mlp 128, vocab 256, fp32 for tight comparisons.
@@ -69,41 +66,21 @@ CASES = {
 }
 
 
-def _flat(tree) -> dict[str, jax.Array]:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = leaf
-    return out
-
-
 def _batches(n: int):
     # A ragged mask: devices and microbatches hold different token counts, so a plain mean of per-device means
     # would not be the big-batch gradient.
-    rng = np.random.default_rng(1)
-    return [
-        {
-            "inputs": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
-            "targets": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
-            "mask": (rng.random((BATCH, SEQ)) > 0.3).astype(np.float32),
-        }
-        for _ in range(n)
-    ]
+    return random_batches(n, batch=BATCH, seq=SEQ, keep=0.7)
 
 
-def _task(strategy: str, mesh_kw: dict, devices=None, model=MODEL) -> tuple[Task, object]:
-    mesh = make_mesh(ParallelConfig(strategy=strategy, **mesh_kw), devices)
-    rules = get_rules(strategy, mesh)
-    make = lambda rngs: GPT(model, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None)
-    tx, sched = make_optimizer(OPTIM, 10, decay_mask(probe.param_axes, probe.abstract_params))
-    return Task.create(make, mesh, rules, tx), sched
+def _task(strategy: str, mesh_kw: dict, devices=None, model=MODEL) -> Task:
+    return make_task(model, ParallelConfig(strategy=strategy, **mesh_kw), optim=OPTIM, devices=devices)
 
 
 def _run(flavour, strategy, mesh_kw, microbatches=1, devices=None):
     """STEPS steps; returns (state in the flavour's own layout, state as the jit step lays it out, losses, params
     after each step)."""
-    task, sched = _task(strategy, mesh_kw, devices)
-    step = build_train_step(task, next_token_loss, flavour, microbatches=microbatches, schedule=sched)
+    task = _task(strategy, mesh_kw, devices)
+    step = build_train_step(task, task.loss_fn, flavour, microbatches=microbatches)
     state = step.to_step(task.init_state())
     losses, history = [], []
     for batch in _batches(STEPS):
@@ -126,27 +103,27 @@ def test_flavour_matches_single_device_jit(name, single_device):
     _, ref_losses, ref_history = single_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{name}: losses")
     for n in range(STEPS):
-        ref = _flat(ref_history[n])
-        for path, leaf in _flat(history[n]).items():
+        ref = flat(ref_history[n])
+        for path, leaf in flat(history[n]).items():
             np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=f"{name}: {path} after {n + 1}")
 
     # What each device stores, parameters and Adam moments alike.
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = chain(scale_by_adam, ...) -> ScaleByAdamState
-    params = _flat(state.params)
+    params = flat(state.params)
     assert set(params) == set(SHARD_SHAPES), set(params) ^ set(SHARD_SHAPES)
-    for label, tree in (("param", params), ("mu", _flat(adam.mu)), ("nu", _flat(adam.nu))):
+    for label, tree in (("param", params), ("mu", flat(adam.mu)), ("nu", flat(adam.nu))):
         for path, leaf in tree.items():
             shard = leaf.addressable_shards[0].data.shape
             want = SHARD_SHAPES[path][col]
             assert shard == want, f"{name}: {label} {path} shard {shard} != {want}"
 
     if strategy != "dp":  # the jit strategy's placement (so the literal shapes above say the same for both flavours)
-        task, _ = _task(strategy, mesh_kw)
+        task = _task(strategy, mesh_kw)
         for path, leaf in params.items():
-            assert leaf.sharding.is_equivalent_to(_flat(task.param_shardings)[path], leaf.ndim), path
+            assert leaf.sharding.is_equivalent_to(flat(task.param_shardings)[path], leaf.ndim), path
 
     if flavour == "pmap":  # inside, a leading device axis of 8 whole replicas, one per device, all equal
-        for path, leaf in _flat(own.params).items():
+        for path, leaf in flat(own.params).items():
             whole = SHARD_SHAPES[path][REPLICATED]
             assert leaf.shape == (8, *whole), (path, leaf.shape)
             assert leaf.addressable_shards[0].data.shape == (1, *whole), path
@@ -169,8 +146,8 @@ def _collectives_by_computation(hlo: str, op: str = "all-reduce") -> dict[str, l
 def test_shard_map_fsdp_gathers_each_layer_inside_the_layer_loop():
     """ZeRO-3 under shard_map: a layer's weight shards are all-gathered inside the forward scan over layers and its
     gradient reduce-scattered inside the backward scan; only the embeddings and final norm are handled outside."""
-    task, sched = _task("fsdp", dict(data=2, fsdp=4))
-    step = build_train_step(task, next_token_loss, "shard_map", schedule=sched)
+    task = _task("fsdp", dict(data=2, fsdp=4))
+    step = build_train_step(task, gpt_loss, "shard_map")
     batch = jax.device_put(_batches(1)[0], task.batch_sharding())
     hlo = step.fn.lower(task.init_state(), batch).compile().as_text()
     for op in ("all-gather", "reduce-scatter"):
@@ -189,8 +166,8 @@ def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(
     _, ref_losses, ref_history = single_device
     placement = {}
     for overlap in (False, True):
-        task, sched = _task("dp", dict(data=8, fsdp=1))
-        step = build_train_step(task, next_token_loss, "shard_map", schedule=sched, overlap_grad_reduce=overlap)
+        task = _task("dp", dict(data=8, fsdp=1))
+        step = build_train_step(task, gpt_loss, "shard_map", overlap_grad_reduce=overlap)
         state = task.init_state()
         batches = [jax.device_put(b, task.batch_sharding()) for b in _batches(STEPS)]
         placement[overlap] = _collectives_by_computation(step.fn.lower(state, batches[0]).compile().as_text())
@@ -199,8 +176,8 @@ def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"overlap={overlap}: losses")
-        ref = _flat(ref_history[-1])
-        for path, leaf in _flat(jax.device_get(state.params)).items():
+        ref = flat(ref_history[-1])
+        for path, leaf in flat(jax.device_get(state.params)).items():
             np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=f"overlap={overlap}: {path}")
 
     assert set(placement[False]) == {"ENTRY"}, placement[False]  # every gradient reduced after the backward
@@ -213,14 +190,14 @@ def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(
 
 def test_overlap_grad_reduce_is_refused_where_it_cannot_run():
     before = len(_COMPILES)
-    fsdp, _ = _task("fsdp", dict(data=1, fsdp=8))
+    fsdp = _task("fsdp", dict(data=1, fsdp=8))
     with pytest.raises(ConfigError, match=r"overlap_grad_reduce runs with strategy dp and one microbatch"):
-        build_train_step(fsdp, next_token_loss, "shard_map", overlap_grad_reduce=True)
-    dp, _ = _task("dp", dict(data=8, fsdp=1))
+        build_train_step(fsdp, gpt_loss, "shard_map", overlap_grad_reduce=True)
+    dp = _task("dp", dict(data=8, fsdp=1))
     with pytest.raises(ConfigError, match=r"microbatches=2"):
-        build_train_step(dp, next_token_loss, "shard_map", microbatches=2, overlap_grad_reduce=True)
+        build_train_step(dp, gpt_loss, "shard_map", microbatches=2, overlap_grad_reduce=True)
     with pytest.raises(ConfigError, match=r"is a shard_map option .* flavour=jit does not take it"):
-        build_train_step(dp, next_token_loss, "jit", overlap_grad_reduce=True)
+        build_train_step(dp, gpt_loss, "jit", overlap_grad_reduce=True)
     cfg = get_config("tiny", ["flavour=jit", "strategy=dp", "data=8", "fsdp=1", "overlap_grad_reduce=true"])
     with pytest.raises(ConfigError, match=r"overlap_grad_reduce runs with parallel.flavour=shard_map"):
         Trainer(cfg, train_data=_Rows())
@@ -249,15 +226,19 @@ class _Rows:
 
 
 def test_bad_flavour_name_is_a_config_error():
-    cfg = get_config("tiny", ["parallel.flavour=shardmap", "parallel.strategy=dp"])
+    with pytest.raises(ConfigError, match=r"unknown parallel.flavour 'shardmap'; choose one of jit, shard_map, pmap.*"
+                                          r"Did you mean 'shard_map'"):
+        get_config("tiny", ["parallel.flavour=shardmap", "parallel.strategy=dp"])
+    cfg = get_config("tiny", ["parallel.strategy=dp"])  # a config built in Python is checked all the same
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, flavour="shardmap"))
     with pytest.raises(ConfigError, match=r"unknown parallel.flavour 'shardmap'; choose one of jit, shard_map, pmap"):
         validate(cfg, 8)
     before = len(_COMPILES)
     with pytest.raises(ConfigError, match="Did you mean 'shard_map'"):
         Trainer(cfg, train_data=_Rows())
-    task, _ = _task("dp", dict(data=8, fsdp=1))
+    task = _task("dp", dict(data=8, fsdp=1))
     with pytest.raises(ConfigError, match="choose one of jit, shard_map, pmap"):
-        build_train_step(task, next_token_loss, "vmap")
+        build_train_step(task, gpt_loss, "vmap")
     assert len(_COMPILES) == before
 
 
@@ -284,12 +265,12 @@ def test_step_builder_checks_the_rule_table_itself():
     every parameter whole."""
     before = len(_COMPILES)
     odd_mlp = dataclasses.replace(MODEL, mlp_dim=30)
-    tp, _ = _task("tp", dict(data=2, fsdp=1, tensor=4), model=odd_mlp)
+    tp = _task("tp", dict(data=2, fsdp=1, tensor=4), model=odd_mlp)
     with pytest.raises(ConfigError, match=r"parameter blocks/mlp/\S+ .* its 30 mlp do not divide over tensor=4"):
-        build_train_step(tp, next_token_loss, "shard_map")
-    fsdp, _ = _task("fsdp", dict(data=1, fsdp=8))
+        build_train_step(tp, gpt_loss, "shard_map")
+    fsdp = _task("fsdp", dict(data=1, fsdp=8))
     with pytest.raises(ConfigError, match=r"flavour=pmap keeps a whole copy .* shards 16 of them"):
-        build_train_step(fsdp, next_token_loss, "pmap")
+        build_train_step(fsdp, gpt_loss, "pmap")
     assert len(_COMPILES) == before
 
 
@@ -321,13 +302,11 @@ def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path,
     state = summary["state"]  # back in the usual layout: whole arrays replicated over the mesh
     wq = state.params["blocks"]["attn"]["wq_DxHxDh"]
     assert wq.shape == (2, 32, 4, 8) and wq.addressable_shards[0].data.shape == (2, 32, 4, 8)
-    ref = _flat(ref_state.params)
-    for path, leaf in _flat(state.params).items():
+    ref = flat(ref_state.params)
+    for path, leaf in flat(state.params).items():
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
 
     # The checkpoint pmap wrote resumes in a jit run on another mesh.
-    from jaxperf.train.checkpoint import Checkpointer
-
     again = Trainer(get_config("tiny", ["flavour=jit", *common, "strategy=fsdp", "data=1", "fsdp=8"]),
                     make_model=make, train_data=_FixedBatches())
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
@@ -338,18 +317,9 @@ def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path,
     np.testing.assert_array_equal(np.asarray(emb), np.asarray(state.params["embed_VxD"]))
 
 
-SMALL_RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
-    "data.max_bytes=300000", "optim.decay_steps=6", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
-    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
-]
-
-
 def test_cli_train_with_shard_map_flavour(tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    out = subprocess.run(
-        [sys.executable, "-m", "jaxperf.cli", "train", *SMALL_RUN, "max_steps=3", "parallel.flavour=shard_map",
-         "run_dir=run"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = run_cli(tmp_path, "train", *SMALL_RUN, "max_steps=3", "parallel.flavour=shard_map", "run_dir=run",
+                  devices=4)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "strategy fsdp, flavour shard_map, mesh data=1 fsdp=4 tensor=1" in out.stdout, out.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

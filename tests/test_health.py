@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import make_task
 from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, get_config
-from jaxperf.models import GPT
-from jaxperf.parallel.mesh import make_mesh
-from jaxperf.parallel.rules import get_rules
+from jaxperf.models.gpt import gpt_loss
 from jaxperf.step.health import HealthOptions
-from jaxperf.step.optimizer import make_optimizer
-from jaxperf.step.task import Task, next_token_loss
+from jaxperf.train.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
 
 
 def _task(health: HealthOptions, model=MODEL):
-    mesh = make_mesh(ParallelConfig(strategy="fsdp", fsdp=4), jax.devices()[:4])
-    tx, _ = make_optimizer(OptimConfig(lr=1e-2, warmup_steps=0), 100)
-    return Task.create(lambda r: GPT(model, rngs=r), mesh, get_rules("fsdp", mesh), tx, health=health)
+    task = make_task(model, ParallelConfig(strategy="fsdp", fsdp=4), optim=OptimConfig(lr=1e-2, warmup_steps=0),
+                     steps=100, devices=jax.devices()[:4])
+    return task.replace(health=health)
 
 
 def _batch(seed=0, nan=False, boost=1.0):
@@ -35,7 +32,7 @@ def _batch(seed=0, nan=False, boost=1.0):
 
 
 def _boosted_loss(model, batch):
-    loss, aux = next_token_loss(model, batch)
+    loss, aux = gpt_loss(model, batch)
     return loss * batch["boost"][0, 0], aux
 
 
@@ -107,8 +104,6 @@ def test_fp16_dynamic_loss_scale_halves_on_overflow_and_grows_when_clean(tmp_pat
     clean_run = scales[first_clean:first_clean + 4]
     assert clean_run[:3] == [clean_run[0]] * 3 and clean_run[3] == 2 * clean_run[0], clean_run
     assert np.isfinite(float(m["loss"]))
-
-    from jaxperf.train.checkpoint import Checkpointer
 
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         ckpt.save(int(state.step), state)

@@ -7,13 +7,9 @@ import subprocess
 import time
 
 import pytest
-from _cli_runs import finish, metrics_by_step, start_pair, start_train
+from helpers import SMALL_RUN, finish, metrics_by_step, start_pair, start_train
 
-RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
-    "data.max_bytes=300000", "optim.decay_steps=50", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
-    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false", "compile_cache_dir=",
-]
+RUN = [*SMALL_RUN, "optim.decay_steps=50", "compile_cache_dir="]
 
 
 def _start(tmp_path, args, devices: int, **env):

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig
+from helpers import flat, make_task, random_batches
+from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, mesh_shape
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
-from jaxperf.parallel.rules import get_rules
-from jaxperf.step.optimizer import make_optimizer
-from jaxperf.step.task import Task, decay_mask, next_token_loss
+from jaxperf.parallel.rules import activation_sharding, get_rules
+from jaxperf.step.task import Task
 
 # 8 heads so that tp=8 divides them; 2 scanned layers; vocab 256; fp32 for tight comparisons.
 MODEL = ModelConfig(d_model=64, n_layers=2, n_heads=8, max_seq_len=32)
@@ -57,40 +57,16 @@ SHARD_SHAPES = {
 ORDER = list(MESHES)
 
 
-def _flat(tree) -> dict[str, jax.Array]:
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out["/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)] = leaf
-    return out
-
-
-def _batches(n: int):
-    rng = np.random.default_rng(1)
-    return [
-        {
-            "inputs": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
-            "targets": rng.integers(0, 256, (BATCH, SEQ)).astype(np.int32),
-            "mask": (rng.random((BATCH, SEQ)) > 0.1).astype(np.float32),
-        }
-        for _ in range(n)
-    ]
-
-
 def _run(mesh_kw: dict, strategy: str, n_steps: int, devices=None, microbatches: int = 1, model=MODEL):
     """Train n_steps; returns (final state, losses, host copy of the params after each step)."""
-    mesh = make_mesh(ParallelConfig(strategy=strategy, **mesh_kw), devices)
-    rules = get_rules(strategy, mesh)
-    make = lambda rngs: GPT(model, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None)
     # eps=1e-3: Adam's first steps are ~lr * sign(g), so with the usual eps a gradient that is pure rounding noise
     # would move its parameter by up to lr; a larger eps keeps the comparison about sharding, not about noise.
     optim = OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-3)
-    tx, sched = make_optimizer(optim, 10, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx)
+    task = make_task(model, ParallelConfig(strategy=strategy, **mesh_kw), optim=optim, devices=devices)
     state = task.init_state()
-    step = task.train_step(next_token_loss, microbatches=microbatches, schedule=sched)
+    step = task.train_step(microbatches=microbatches)
     losses, history = [], []
-    for batch in _batches(n_steps):
+    for batch in random_batches(n_steps, batch=BATCH, seq=SEQ, keep=0.9):
         state, metrics = step(state, jax.device_put(batch, task.batch_sharding()))
         losses.append(float(metrics["loss"]))
         history.append(jax.device_get(state.params))
@@ -108,17 +84,17 @@ def test_strategy_matches_single_device(name, single_device):
     _, ref_losses, ref_history = single_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{name}: losses")
     for n_steps in (1, 3):
-        ref = _flat(ref_history[n_steps - 1])
-        for path, leaf in _flat(history[n_steps - 1]).items():
+        ref = flat(ref_history[n_steps - 1])
+        for path, leaf in flat(history[n_steps - 1]).items():
             np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6,
                                        err_msg=f"{name}: {path} after {n_steps} steps")
 
     # Numbers alone do not prove anything was sharded: check every shard shape against the table.
     col = ORDER.index(name)
-    params = _flat(state.params)
+    params = flat(state.params)
     assert set(params) == set(SHARD_SHAPES), set(params) ^ set(SHARD_SHAPES)
     adam = state.opt_state[1][0]  # chain(clip, adamw) -> adamw = chain(scale_by_adam, ...) -> ScaleByAdamState
-    for label, tree in (("param", params), ("mu", _flat(adam.mu)), ("nu", _flat(adam.nu))):
+    for label, tree in (("param", params), ("mu", flat(adam.mu)), ("nu", flat(adam.nu))):
         for path, leaf in tree.items():
             shard = leaf.addressable_shards[0].data.shape
             assert shard == SHARD_SHAPES[path][col], f"{name}: {label} {path} shard {shard} != {SHARD_SHAPES[path][col]}"
@@ -142,15 +118,13 @@ def test_gradient_accumulation_equals_large_batch():
     big, big_losses, _ = _run(MESHES["fsdp"], "fsdp", 2, microbatches=1)
     acc, acc_losses, _ = _run(MESHES["fsdp"], "fsdp", 2, microbatches=2)
     np.testing.assert_allclose(acc_losses, big_losses, rtol=1e-5)
-    ref = _flat(big.params)
-    for path, leaf in _flat(acc.params).items():
+    ref = flat(big.params)
+    for path, leaf in flat(acc.params).items():
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
 
 
 def test_activation_constraints_follow_rules():
     """The model pins its activations by logical name: under tp the MLP hidden state is split over `tensor`."""
-    from jaxperf.parallel.rules import activation_sharding
-
     mesh = make_mesh(ParallelConfig(strategy="tp", data=2, fsdp=1, tensor=4))
     rules = get_rules("tp", mesh)
     task = Task.create(lambda r: GPT(MODEL, rngs=r), mesh, rules, None)
@@ -165,9 +139,6 @@ def test_activation_constraints_follow_rules():
 
 
 def test_dcn_data_multiplies_the_data_axis_and_needs_real_slices():
-    from jaxperf.config import ConfigError, ParallelConfig
-    from jaxperf.parallel.mesh import make_mesh, mesh_shape
-
     assert mesh_shape(ParallelConfig(fsdp=-1, dcn_data=2), 8) == {"data": 2, "fsdp": 4, "tensor": 1}
     assert mesh_shape(ParallelConfig(strategy="fsdp_tp", fsdp=-1, tensor=2, dcn_data=4), 16) == \
         {"data": 4, "fsdp": 2, "tensor": 2}

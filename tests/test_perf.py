@@ -12,7 +12,9 @@ from jaxperf.config import ModelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.perf import compile as pcompile
 from jaxperf.perf import hardware, memory, profile, roofline
+from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
+from jaxperf.step.task import build_task
 
 # ----------------------------------------------------------------------------------------------------------------------
 # hardware
@@ -65,6 +67,7 @@ def test_roofline_classifies_matmul_and_add():
 
 
 def test_roofline_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="drawing the roofline needs matplotlib (pip install 'jaxperf[plot]')")
     pts = [roofline.point("add", 1e6, 1.2e7, SYNTH, time_s=1e-4), roofline.point("matmul", 1e12, 1e9, SYNTH)]
     path = roofline.plot(pts, str(tmp_path / "roof.png"), title="test")
     data = open(path, "rb").read()
@@ -121,16 +124,10 @@ MEM_TOL = 0.25
 
 
 def _compiled_step_memory(cfg):
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.step.optimizer import make_optimizer
-    from jaxperf.step.task import Task, next_token_loss
-
     n = cfg.parallel.data * max(cfg.parallel.fsdp, 1) * cfg.parallel.tensor
     mesh = make_mesh(cfg.parallel, jax.devices()[:n])
-    tx, _ = make_optimizer(cfg.optim, 10)
-    task = Task.create(lambda r: GPT(cfg.model, rngs=r), mesh, get_rules(cfg.parallel.strategy, mesh), tx)
-    step = task.train_step(next_token_loss, microbatches=cfg.microbatches)
+    task = build_task(cfg, mesh)
+    step = task.train_step(microbatches=cfg.microbatches)
     shape = (cfg.batch_size, cfg.train_seq_len)
     batch = {k: jax.ShapeDtypeStruct(shape, d, sharding=task.batch_sharding())
              for k, d in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32))}
@@ -205,16 +202,9 @@ def test_export_forward_roundtrip(tmp_path):
 
 
 def test_export_train_step_roundtrip(tmp_path):
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.step.optimizer import make_optimizer
-    from jaxperf.step.task import Task, next_token_loss
-
     cfg = get_config("tiny", ["d_model=32", "n_layers=1", "max_seq_len=16", "parallel.strategy=fsdp", "fsdp=8"])
-    mesh = make_mesh(cfg.parallel)
-    tx, _ = make_optimizer(cfg.optim, 10)
-    task = Task.create(lambda r: GPT(cfg.model, rngs=r), mesh, get_rules("fsdp", mesh), tx)
-    step = task.train_step(next_token_loss, donate=False)
+    task = build_task(cfg, make_mesh(cfg.parallel))
+    step = task.train_step(donate=False)
     state = task.init_state()
     rng = np.random.default_rng(0)
     tok = rng.integers(0, 256, (8, 17)).astype(np.int32)

@@ -19,22 +19,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from _cli_runs import cli_env, finish, metrics_by_step, start_pair, start_train
+from helpers import SMALL_RUN, cli_env, finish, metrics_by_step, run_cli, start_pair, start_train
 
 from jaxperf.config import get_config
 from jaxperf.train.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
-RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
-    "data.max_bytes=300000", "optim.decay_steps=50", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
-    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
-]
+RUN = [*SMALL_RUN, "optim.decay_steps=50"]
 
 
 def _train(tmp_path, args, timeout=240, **env):
-    return subprocess.run([sys.executable, "-m", "jaxperf.cli", "train", *RUN, *args], capture_output=True, text=True,
-                          env=cli_env(tmp_path, **env), cwd=tmp_path, timeout=timeout)
+    return run_cli(tmp_path, "train", *RUN, *args, timeout=timeout, **env)
 
 
 def _assert_same_steps(a: dict[int, dict], b: dict[int, dict], steps):
@@ -125,7 +120,7 @@ def test_kill_9_during_async_save_restarts_from_previous_commit(tmp_path):
     resumed = _train(tmp_path, ["max_steps=8", "checkpoint_every=2", "run_dir=run"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 2" in resumed.stdout
-    straight = _train(tmp_path, ["max_steps=8", "run_dir=straight"])
+    assert _train(tmp_path, ["max_steps=8", "run_dir=straight"]).returncode == 0
     _assert_same_steps(metrics_by_step(tmp_path / "straight"), metrics_by_step(tmp_path / "run"), range(1, 9))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["4", "6", "8"]  # the temporary write is gone
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -14,38 +11,24 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxperf.config import ConfigError, OptimConfig, ParallelConfig, get_config
-from jaxperf.models import GPT
-from jaxperf.parallel.mesh import make_mesh
-from jaxperf.parallel.rules import get_rules
-from jaxperf.step.optimizer import make_optimizer
-from jaxperf.step.task import Task, decay_mask, next_token_loss
+from helpers import SMALL_RUN, fixed_batch, losses as run_losses, make_task, run_cli
+from jaxperf.config import ConfigError, OptimConfig, ParallelConfig, from_dict, get_config
+from jaxperf.step.task import next_token_loss
+from jaxperf.train.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _task(model_cfg, parallel=ParallelConfig(strategy="fsdp", fsdp=8), lr=3e-3, steps=100, devices=None, seed=0):
-    mesh = make_mesh(parallel, devices)
-    rules = get_rules(parallel.strategy, mesh)
-    make = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None, seed=seed)
-    tx, sched = make_optimizer(OptimConfig(lr=lr, warmup_steps=5), steps, decay_mask(probe.param_axes, probe.abstract_params))
-    return Task.create(make, mesh, rules, tx, seed=seed), sched
-
-
-def _fixed_batch(batch=8, seq=32, vocab=256, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, vocab, (batch, seq + 1)).astype(np.int32)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": np.ones((batch, seq), np.float32)}
+    return make_task(model_cfg, parallel, optim=OptimConfig(lr=lr, warmup_steps=5), steps=steps, devices=devices,
+                     seed=seed)
 
 
 def test_tiny_model_memorises_a_fixed_batch():
     cfg = get_config("tiny", ["d_model=64", "n_layers=2", "max_seq_len=32"]).model
-    task, sched = _task(cfg)
-    step = task.train_step(next_token_loss, schedule=sched)
+    task = _task(cfg)
+    step = task.train_step()
     state = task.init_state()
-    batch = jax.device_put(_fixed_batch(), task.batch_sharding())
+    batch = jax.device_put(fixed_batch(), task.batch_sharding())
     losses = []
     for _ in range(100):
         state, m = step(state, batch)
@@ -54,7 +37,7 @@ def test_tiny_model_memorises_a_fixed_batch():
     assert losses[-1] < 0.1, f"the model did not memorise 8 sequences: loss {losses[0]:.3f} -> {losses[-1]:.3f}"
 
 
-# One step of the `tiny` preset's model from seed 0 on _fixed_batch(seed=0), one device. If you changed the model's
+# One step of the `tiny` preset's model from seed 0 on fixed_batch(seed=0), one device. If you changed the model's
 # initialisation, the optimizer or the loss on purpose, rerun this test and paste the new values here.
 GOLDEN_LOSS_STEP0 = 5.577000617980957
 GOLDEN_LOSS_STEP1 = 5.24527645111084
@@ -62,10 +45,10 @@ GOLDEN_LOSS_STEP1 = 5.24527645111084
 
 def test_golden_loss_of_tiny():
     cfg = get_config("tiny").model
-    task, sched = _task(cfg, ParallelConfig(strategy="dp", data=1, fsdp=1), lr=2e-3, devices=jax.devices()[:1])
-    step = task.train_step(next_token_loss, schedule=sched)
+    task = _task(cfg, ParallelConfig(strategy="dp", data=1, fsdp=1), lr=2e-3, devices=jax.devices()[:1])
+    step = task.train_step()
     state = task.init_state()
-    batch = jax.device_put(_fixed_batch(batch=4, seq=128), task.batch_sharding())
+    batch = jax.device_put(fixed_batch(batch=4, seq=128), task.batch_sharding())
     state, m0 = step(state, batch)
     _, m1 = step(state, batch)
     got = (float(m0["loss"]), float(m1["loss"]))
@@ -82,10 +65,10 @@ def test_no_recompilation_after_first_step():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     cfg = get_config("tiny", ["d_model=64", "n_layers=2", "max_seq_len=32"]).model
-    task, sched = _task(cfg, ParallelConfig(strategy="fsdp_tp", fsdp=4, tensor=2))
-    step = task.train_step(next_token_loss, microbatches=2, schedule=sched)
+    task = _task(cfg, ParallelConfig(strategy="fsdp_tp", fsdp=4, tensor=2))
+    step = task.train_step(microbatches=2)
     state = task.init_state()
-    batches = [jax.device_put(_fixed_batch(seed=i), task.batch_sharding()) for i in range(5)]
+    batches = [jax.device_put(fixed_batch(seed=i), task.batch_sharding()) for i in range(5)]
     state, m = step(state, batches[0])
     jax.block_until_ready(m)
     before = len(compiles)
@@ -151,27 +134,11 @@ def test_trainer_rejects_batch_that_does_not_divide_before_compiling(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Subprocesses: the real CLI, and resume across processes.
 
-SMALL_RUN = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "batch_size=8",
-    "data.max_bytes=300000", "optim.decay_steps=6", "optim.warmup_steps=2", "log_every=1", "eval_every=0",
-    "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
-]
-
-
 def _cli(args, tmp_path, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    return subprocess.run([sys.executable, "-m", "jaxperf.cli", *args], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=timeout)
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return run_cli(tmp_path, *args, devices=None, timeout=timeout)
 
 
 def _final_params(run_dir: Path, step: int):
-    from jaxperf.train.checkpoint import Checkpointer
-
     with Checkpointer(run_dir / "checkpoints") as ckpt:
         assert ckpt.latest_step() == step
         target = jax.tree.map(lambda x: x, _abstract_for(run_dir))
@@ -180,13 +147,9 @@ def _final_params(run_dir: Path, step: int):
 
 
 def _abstract_for(run_dir: Path):
-    from jaxperf.config import from_dict
-
     cfg = from_dict(json.loads((run_dir / "config.json").read_text()))
-    task, _ = _task(cfg.model, ParallelConfig(strategy="dp", data=1, fsdp=1), devices=jax.devices()[:1])
-    task = Task.create(task.make_model, task.mesh, task.rules, make_optimizer(cfg.optim, cfg.max_steps,
-                       decay_mask(task.param_axes, task.abstract_params))[0])
-    return task.abstract_state()
+    parallel = ParallelConfig(strategy="dp", data=1, fsdp=1)
+    return make_task(cfg.model, parallel, optim=cfg.optim, steps=cfg.max_steps, devices=jax.devices()[:1]).abstract_state()
 
 
 @pytest.mark.slow
@@ -199,7 +162,7 @@ def test_resume_in_a_new_process_is_exact(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "at step 3" in second.stdout, second.stdout
 
-    a, b = _losses(tmp_path / "straight"), _losses(tmp_path / "resumed")
+    a, b = run_losses(tmp_path / "straight"), run_losses(tmp_path / "resumed")
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     assert a == b, f"losses differ after resume:\n{a}\n{b}"  # exact float equality
     sa, ma = _final_params(tmp_path / "straight", 6)
@@ -215,7 +178,7 @@ def test_cli_train_tiny_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tok/s" in out.stdout and "mfu" in out.stdout and "loss" in out.stdout, out.stdout
     assert "---- sample ----" in out.stdout
-    losses = _losses(tmp_path / "run")
+    losses = run_losses(tmp_path / "run")
     assert losses[20] < losses[10] < 5.6
     assert (tmp_path / "run" / "checkpoints" / "20").is_dir()
 

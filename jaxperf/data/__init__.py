@@ -8,6 +8,7 @@ Example:
     >>> host = ds.batch(step=0, batch_size=8, rows=data.process_rows(8))
 """
 
+from jaxperf.data.datasets import datasets_for, tokenizer_for, with_vocab
 from jaxperf.data.loader import Prefetcher, TokenDataset, process_rows, to_global_array
 from jaxperf.data.sources import corpus_texts, load_tokens, source_fingerprint, split_tokens, stdlib_corpus_files
 from jaxperf.data.tokenizer import BPETokenizer, ByteTokenizer, get_tokenizer
@@ -18,6 +19,7 @@ __all__ = [
     "Prefetcher",
     "TokenDataset",
     "corpus_texts",
+    "datasets_for",
     "get_tokenizer",
     "load_tokens",
     "process_rows",
@@ -25,4 +27,6 @@ __all__ = [
     "split_tokens",
     "stdlib_corpus_files",
     "to_global_array",
+    "tokenizer_for",
+    "with_vocab",
 ]

@@ -37,10 +37,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
+from jaxperf.config import from_dict
+from jaxperf.data import tokenizer_for
 from jaxperf.generate.cache import DecodeState, Settings, bucket, cache_sharding, cache_shape
 from jaxperf.generate.sampling import check_settings, sample
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import tree_shardings
+from jaxperf.step.task import build_task
+from jaxperf.train.checkpoint import Checkpointer
 
 PAD_ID = 0
 MIN_PROMPT_BUCKET = 8
@@ -136,12 +140,6 @@ class Generator:
     def from_checkpoint(cls, run_dir: str | Path, *, mesh: Mesh | None = None, strategy: str | None = None,
                         step: int | None = None, **kwargs) -> "Generator":
         """A Generator for a training run: run_dir/config.json and its newest intact checkpoint (or `step`)."""
-        from jaxperf.config import from_dict
-        from jaxperf.models import GPT
-        from jaxperf.train.checkpoint import Checkpointer
-        from jaxperf.step.optimizer import make_optimizer
-        from jaxperf.step.task import Task, decay_mask
-
         run_dir = Path(run_dir)
         cfg_file = run_dir / "config.json"
         if not cfg_file.exists():
@@ -149,19 +147,17 @@ class Generator:
         cfg = from_dict(json.loads(cfg_file.read_text()))
         mesh = mesh if mesh is not None else _compat.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
                                                                devices=jax.devices()[:1])
-        rules = get_rules(strategy or _default_strategy(mesh), mesh)
-        make = lambda rngs: GPT(cfg.model, rngs=rngs)  # noqa: E731
-        probe = Task.create(make, mesh, rules, None, seed=cfg.seed)
-        tx, _ = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-        task = Task.create(make, mesh, rules, tx, seed=cfg.seed)
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                    strategy=strategy or _default_strategy(mesh)))
+        task = build_task(cfg, mesh, with_optimizer=False)  # the parameters alone: no optimizer is built
+        target = {"params": task.abstract_params_sharded()}
         with Checkpointer(run_dir / "checkpoints") as ckpt:
             if step is None:
-                state, _, _ = ckpt.restore_latest(task.abstract_state())
+                restored, _, _ = ckpt.restore_latest(target)
             else:
-                state, _ = ckpt.restore(step, task.abstract_state())
-        with _compat.no_eager_sharding():
-            model = nnx.eval_shape(lambda: make(nnx.Rngs(0)))
-        return cls(model, _tokenizer_for(cfg), mesh=mesh, strategy=rules, params=state.params, **kwargs)
+                restored, _ = ckpt.restore(step, target)
+        model = nnx.merge(task.graphdef, task.param_template, task.model_state)
+        return cls(model, tokenizer_for(cfg), mesh=mesh, strategy=task.rules, params=restored["params"], **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _merge(self, params):
@@ -409,20 +405,6 @@ class TextStream:
         text = self.tokenizer.decode(self.ids)
         piece, self.sent = text[self.sent:], len(text)
         return piece
-
-
-def _tokenizer_for(cfg):
-    """The tokenizer a run was trained with (byte, or the BPE from its file or cache)."""
-    import os
-
-    from jaxperf.data import corpus_texts, get_tokenizer, source_fingerprint
-
-    d = cfg.data
-    if d.tokenizer == "byte":
-        return get_tokenizer("byte")
-    return get_tokenizer("bpe", vocab_size=cfg.model.vocab_size, path=d.tokenizer_path,
-                         texts_fn=lambda: corpus_texts(d.source, max_bytes=d.max_bytes),
-                         cache_dir=os.path.expanduser(d.cache_dir), cache_key=source_fingerprint(d.source, d.max_bytes))
 
 
 __all__ = ["Generation", "GenerationBatch", "Generator", "TextStream", "cache_shape", "cache_sharding"]

@@ -36,9 +36,18 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
+from jaxperf import _compat
 from jaxperf.config import ModelConfig, validate_model
+from jaxperf.models.gpt import GPT
+from jaxperf.parallel.rules import get_rules
+from jaxperf.step.task import Task
 
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
 # ModelConfig fields that change how the model runs but not what it computes: safe to override on import.
@@ -228,8 +237,6 @@ class _Tensors:
     """Name -> file of every tensor in a (possibly sharded) safetensors checkpoint; shapes known before loading."""
 
     def __init__(self, directory: str):
-        from safetensors import safe_open
-
         self._open = safe_open
         index = os.path.join(directory, "model.safetensors.index.json")
         if os.path.exists(index):
@@ -286,11 +293,6 @@ def _set(tree: dict, dotted: str, value) -> None:
 
 def _template(cfg: ModelConfig) -> dict:
     """Pure dict of ShapeDtypeStructs of the jaxperf GPT for cfg (nothing allocated)."""
-    from flax import nnx
-
-    from jaxperf import _compat
-    from jaxperf.models.gpt import GPT
-
     with _compat.no_eager_sharding():
         abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
     return nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
@@ -366,8 +368,6 @@ def import_hf(directory: str, **overrides) -> tuple[ModelConfig, dict]:
 
 
 def _jnp_dtype(name: str):
-    import jax.numpy as jnp
-
     return jnp.dtype(name)
 
 
@@ -420,18 +420,9 @@ def load_hf_model(directory: str, *, mesh=None, rules="fsdp", **overrides):
         model = load_hf_model("ckpt/")
         logits_BxLxV = model(tokens_BxL)
     """
-    import jax
-    import optax
-    from flax import nnx
-
-    from jaxperf import _compat
-    from jaxperf.models.gpt import GPT
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.step.task import Task
-
     cfg, params = import_hf(directory, **overrides)
     if mesh is not None:
-        task = Task.create(lambda r: GPT(cfg, rngs=r), mesh, get_rules(rules, mesh), optax.identity())
+        task = Task.create(lambda r: GPT(cfg, rngs=r), mesh, get_rules(rules, mesh))
         return task.merge(jax.device_put(params, task.param_shardings))
     with _compat.no_eager_sharding():
         abstract = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
@@ -501,10 +492,6 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None)
 
     Rows of a padded vocabulary (cfg.padded_vocab > cfg.vocab_size) are dropped.
     """
-    import jax
-    from flax import nnx
-    from safetensors.numpy import save_file
-
     cfg = validate_model(cfg)
     arch = arch or cfg.style
     if arch not in SUPPORTED:

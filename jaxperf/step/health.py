@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxperf.config import ConfigError
+
 
 @dataclass(frozen=True)
 class HealthOptions:
@@ -26,6 +28,15 @@ class HealthOptions:
     loss_scale_init: float = 2.0**15
     growth_interval: int = 2000
     min_loss_scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> HealthOptions:
+        """The settings of a TrainConfig: loss scaling is dynamic for float16 compute unless `loss_scale` says."""
+        if cfg.loss_scale not in ("auto", "dynamic", "none"):
+            raise ConfigError(f"loss_scale={cfg.loss_scale!r} is not one of auto, dynamic, none")
+        scaling = cfg.loss_scale == "dynamic" or (cfg.loss_scale == "auto" and cfg.model.dtype == "float16")
+        return cls(skip_nonfinite=cfg.skip_nonfinite, spike_sigma=cfg.spike_sigma, spike_window=cfg.spike_window,
+                   loss_scale=scaling)
 
 
 def init_health(opts: HealthOptions) -> dict[str, jax.Array]:

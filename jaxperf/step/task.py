@@ -1,9 +1,11 @@
 """The one train step: any Flax NNX module, any loss, any mesh and rule table.
 
-    task = Task.create(lambda rngs: GPT(cfg.model, rngs=rngs), mesh, get_rules("fsdp_tp"), tx, seed=0)
+    task = build_task(cfg, mesh)                    # the built-in GPT of cfg.model, AdamW of cfg.optim
     state = task.init_state()                       # parameters and optimizer state born sharded
-    step = task.train_step(next_token_loss, microbatches=4)
+    step = task.train_step(microbatches=4)
     state, metrics = step(state, batch)             # jitted with shardings, state donated
+
+    task = build_task(cfg, mesh, make_model=MyLM, loss_fn=my_loss, tx=optax.sgd(0.1))   # research code
 
 The step is pure `(state, batch) -> (state, metrics)`. Parameters live in `state.params` as a plain nested dict (the
 pure-dict form of the module's `nnx.Param`s) so optax, Orbax and sharding trees all see ordinary pytrees; the module
@@ -13,6 +15,7 @@ is rebuilt from it inside the trace with `nnx.merge`, which costs nothing at run
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,9 +28,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxperf import _compat
-from jaxperf.parallel.rules import Rules, activation_sharding, logical_to_spec
+from jaxperf.config import TrainConfig
+from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
+from jaxperf.models.hooks import LayerHooks
+from jaxperf.models.platform import for_platform
+from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
 from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
+from jaxperf.step.optimizer import make_optimizer
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -102,9 +110,26 @@ def decay_mask(params_axes: Any, abstract_params: Any) -> Any:
     )
 
 
+def next_token_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Masked next-token cross-entropy in fp32 from `model(inputs)` logits [B, L, V].
+
+    batch: inputs, targets int32 [B, L]; optional mask [B, L]. Returns the mean over unmasked tokens and aux
+    {"weight": number of unmasked tokens}. (The built-in GPT's own loss, `jaxperf.models.gpt.gpt_loss`, can also fuse
+    the output projection with the softmax; `build_task` picks it for that model.)
+    """
+    targets = batch["targets"]
+    mask = batch.get("mask")
+    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+    return cross_entropy_from_logits(model(batch["inputs"]), targets, mask)
+
+
 @dataclass
 class Task:
-    """A model split into (graph, parameter template, other state), placed on a mesh by a rule table."""
+    """A model split into (graph, parameter template, other state), placed on a mesh by a rule table, with the
+    optimizer, loss and numerical-health settings of its train step.
+
+    Build one with `build_task` (from a TrainConfig) or `Task.create` (from the pieces).
+    """
 
     graphdef: Any
     param_template: nnx.State  # abstract nnx.Param state, used to rebuild the module
@@ -114,14 +139,17 @@ class Task:
     param_shardings: Any  # pure dict of NamedSharding
     mesh: Mesh
     rules: Rules
-    tx: optax.GradientTransformation
+    tx: optax.GradientTransformation | None
     make_model: Callable[[nnx.Rngs], nnx.Module]
     seed: int
     health: HealthOptions = HealthOptions()
+    loss_fn: LossFn = next_token_loss
+    schedule: Callable | None = None  # the learning-rate schedule, reported as metrics["lr"]
+    layer_stack: str | None = None  # the model's stacked layers' key in the parameter tree (jaxperf.models.hooks)
 
     @classmethod
-    def create(cls, make_model, mesh: Mesh, rules: Rules, tx, *, seed: int = 0,
-               health: HealthOptions | None = None) -> "Task":
+    def create(cls, make_model, mesh: Mesh, rules: Rules, tx=None, *, seed: int = 0,
+               health: HealthOptions | None = None, loss_fn: LossFn | None = None, schedule=None) -> "Task":
         """Trace `make_model(rngs)` abstractly (no memory used) and derive the shardings of its parameters."""
         with _compat.no_eager_sharding():
             abstract = nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
@@ -130,21 +158,38 @@ class Task:
         abstract_params = nnx.to_pure_dict(params)
         shardings = tree_shardings(abstract_params, axes, mesh, rules)
         return cls(graphdef, params, other, axes, abstract_params, shardings, mesh, rules, tx, make_model, seed,
-                   health or HealthOptions())
+                   health or HealthOptions(), loss_fn or next_token_loss, schedule,
+                   getattr(abstract, "layer_stack", None))
+
+    def replace(self, **changes) -> "Task":
+        """A copy with some fields changed (e.g. `task.replace(tx=optax.sgd(0.1))`); nothing is traced again."""
+        return dataclasses.replace(self, **changes)
 
     # ----------------------------------------------------------------------------------------------------------------
-    def merge(self, params: Any, model_state: Any | None = None) -> nnx.Module:
-        """Rebuild the module from a pure-dict of parameter values (inside or outside a trace)."""
+    def merge(self, params: Any, model_state: Any | None = None, hooks: LayerHooks | None = None) -> nnx.Module:
+        """Rebuild the module from a pure-dict of parameter values (inside or outside a trace).
+
+        `hooks` are installed on the module for explicit-collective steps (jaxperf.models.hooks)."""
         template = jax.tree.map(lambda x: x, self.param_template)  # a fresh copy of the Variables
         nnx.replace_by_pure_dict(template, params)
-        return nnx.merge(self.graphdef, template, self.model_state if model_state is None else model_state)
+        model = nnx.merge(self.graphdef, template, self.model_state if model_state is None else model_state)
+        if hooks is not None:
+            model.hooks = hooks
+        return model
+
+    def _require_tx(self) -> optax.GradientTransformation:
+        if self.tx is None:
+            raise ValueError("this Task has no optimizer (it was built for inference): build it with build_task(..., "
+                             "with_optimizer=True) or task.replace(tx=...)")
+        return self.tx
 
     def _init(self) -> TrainState:
         with _compat.no_eager_sharding():
             model = self.make_model(nnx.Rngs(self.seed))
         _, params, other = nnx.split(model, nnx.Param, ...)
         params = nnx.to_pure_dict(params)
-        return TrainState(jnp.zeros((), jnp.int32), params, self.tx.init(params), other, init_health(self.health))
+        return TrainState(jnp.zeros((), jnp.int32), params, self._require_tx().init(params), other,
+                          init_health(self.health))
 
     def state_shardings(self) -> TrainState:
         """NamedShardings for every leaf of the TrainState: optimizer moments follow their parameters."""
@@ -166,6 +211,11 @@ class Task:
         abstract, shardings = jax.eval_shape(self._init), self.state_shardings()
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
+    def abstract_params_sharded(self) -> Any:
+        """ShapeDtypeStructs with shardings of the parameters alone: the restore target when no optimizer is needed."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), self.abstract_params,
+                            self.param_shardings)
+
     def init_state(self) -> TrainState:
         """Parameters and optimizer state created directly in their shards (never whole on one device)."""
         return jax.jit(self._init, out_shardings=self.state_shardings())()
@@ -174,11 +224,11 @@ class Task:
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         return batch_sharding(self.mesh, self.rules, ndim)
 
-    def _grads(self, loss_fn, params, model_state, batch, scale=1.0):
+    def _grads(self, loss_fn, params, model_state, batch, scale=1.0, hooks: LayerHooks | None = None):
         """(loss, weight, metrics, model_state, grads) for one microbatch; loss and grads are times `scale`."""
 
         def f(p):
-            model = self.merge(p, model_state)
+            model = self.merge(p, model_state, hooks)
             loss, aux = loss_fn(model, batch, scale)
             _, _, new_state = nnx.split(model, nnx.Param, ...)
             return loss, (aux, new_state)
@@ -187,14 +237,17 @@ class Task:
         weight = jnp.asarray(aux.get("weight", 1.0), jnp.float32)
         return loss, weight, aux, new_state, grads
 
-    def train_step(self, loss_fn: LossFn, *, microbatches: int = 1, schedule=None, donate: bool = True):
-        """Build the jitted step. `loss_fn(model, batch) -> (mean_loss, aux)`; `aux["weight"]` (e.g. the number of
-        unmasked tokens) weights microbatches so that accumulating k microbatches equals one k-times-larger batch.
+    def train_step(self, loss_fn: LossFn | None = None, *, microbatches: int = 1, schedule=None, donate: bool = True):
+        """Build the jitted step. `loss_fn(model, batch) -> (mean_loss, aux)` (default: the task's); `aux["weight"]`
+        (e.g. the number of unmasked tokens) weights microbatches so that accumulating k microbatches equals one
+        k-times-larger batch.
 
         Numerical health follows `self.health`: a step with non-finite loss or gradients (or a loss spike, if enabled)
         leaves params, optimizer and model state untouched and is counted in `state.health`; metrics carry
         `skipped`, `consecutive_skips` and `loss_scale`."""
-        opts = self.health
+        opts, tx = self.health, self._require_tx()
+        loss_fn = loss_fn or self.loss_fn
+        schedule = schedule or self.schedule
 
         def scaled_loss(model, batch, scale):
             loss, aux = loss_fn(model, batch)
@@ -232,7 +285,7 @@ class Task:
                     (grads, total_w, total_loss, model_state), _ = jax.lax.scan(body, init, micro)
                 grads = grad_constraint(jax.tree.map(lambda g: g / (total_w * scale), grads))
                 loss = total_loss / (total_w * scale)
-            return finish_step(self.tx, opts, state, grads, loss, total_w, model_state, schedule)
+            return finish_step(tx, opts, state, grads, loss, total_w, model_state, schedule)
 
         shardings = self.state_shardings()
         return jax.jit(
@@ -242,8 +295,9 @@ class Task:
             donate_argnums=(0,) if donate else (),
         )
 
-    def eval_step(self, loss_fn: LossFn):
-        """Jitted `(state, batch) -> {"loss", "tokens"}` without gradients."""
+    def eval_step(self, loss_fn: LossFn | None = None):
+        """Jitted `(state, batch) -> {"loss", "tokens"}` without gradients (default loss: the task's)."""
+        loss_fn = loss_fn or self.loss_fn
 
         def step(state: TrainState, batch):
             with activation_sharding(self.mesh, self.rules):
@@ -255,17 +309,40 @@ class Task:
                        out_shardings=replicated(self.mesh))
 
 
-def next_token_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Masked next-token cross-entropy in fp32. batch: inputs, targets int32 [B, L]; optional mask [B, L].
+def platform_of(mesh: Mesh) -> str:
+    """The platform the mesh's devices belong to ("cpu", "gpu", "tpu"); a TPU topology described on a CPU host is
+    "tpu"."""
+    platform = mesh.devices.flat[0].platform.lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
 
-    Returns the mean over unmasked tokens and aux {"weight": number of unmasked tokens}. A model that defines its own
-    `next_token_loss(batch)` (the built-in GPT does, to offer a fused kernel) is asked to compute it.
+
+def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module] | None = None, *,
+               loss_fn: LossFn | None = None, tx: optax.GradientTransformation | None = None,
+               with_optimizer: bool = True) -> Task:
+    """The Task of a run: its model on `mesh` under the rule table of `cfg.parallel.strategy`, the optimizer, the loss
+    and the numerical-health settings. Traces the model once, abstractly.
+
+    Args:
+      cfg: the run's configuration.
+      mesh: the device mesh (jaxperf.parallel.mesh.make_mesh); its devices' platform settles every choice the model
+        config leaves to the platform (jaxperf.models.platform), e.g. a TPU topology described on a CPU host.
+      make_model: `rngs -> nnx.Module` whose parameters carry logical axes; default: the built-in GPT of cfg.model.
+      loss_fn: `(model, batch) -> (mean_loss, aux)`; default: the GPT's own loss for the built-in model (which may
+        fuse the output projection with the softmax), masked next-token cross-entropy from logits otherwise.
+      tx: any optax transformation; default: AdamW with warm-up, cosine decay and clipping from cfg.optim (weight
+        decay only on matrices), whose schedule is reported as metrics["lr"].
+      with_optimizer: False builds a Task for inference (restoring or serving parameters): no optimizer is made.
     """
-    if hasattr(model, "next_token_loss"):
-        return model.next_token_loss(batch)
-    from jaxperf.models.gpt import cross_entropy_from_logits
-
-    targets = batch["targets"]
-    mask = batch.get("mask")
-    mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-    return cross_entropy_from_logits(model(batch["inputs"]), targets, mask)
+    rules = get_rules(cfg.parallel.strategy, mesh)
+    if make_model is None:
+        model_cfg = for_platform(cfg.model, platform_of(mesh))
+        make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
+        loss_fn = loss_fn or gpt_loss
+    task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),
+                       loss_fn=loss_fn)
+    if not with_optimizer:
+        return task
+    schedule = None
+    if tx is None:
+        tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(task.param_axes, task.abstract_params))
+    return task.replace(tx=tx, schedule=schedule)

@@ -15,11 +15,21 @@ and nothing runs; a 4x4x4 slice compiles in seconds to minutes on a laptop-class
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import topologies
+
+from jaxperf.config import mesh_shape, validate
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.perf.flops import flops_per_token
+from jaxperf.perf.hardware import chip_for
+from jaxperf.perf.memory import estimate
+from jaxperf.step.task import build_task
 
 GiB = 2**30
 
@@ -31,14 +41,8 @@ class TopologyError(RuntimeError):
 def topology_devices(topology: str, slices: int = 1) -> list:
     """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2" (or of `slices` such slices), from
     libtpu (no TPU needed)."""
-    try:
-        from jax.experimental import topologies
-    except ImportError as e:  # pragma: no cover - every supported jax has it
-        raise TopologyError(f"jax.experimental.topologies is missing: {e}") from None
     if ":" not in topology:
         raise TopologyError(f"topology {topology!r} should look like v5p:4x4x4 (chip:shape)")
-    import importlib.util
-
     if importlib.util.find_spec("libtpu") is None:
         raise TopologyError(f"describing {topology!r} needs libtpu, which is not installed: pip install 'jax[tpu]' "
                             "(the version matching your jax), then retry; no TPU is needed")
@@ -55,18 +59,6 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
 
     With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`).
     """
-    import dataclasses
-
-    from jaxperf.config import mesh_shape, validate
-    from jaxperf.models import GPT
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.parallel.rules import get_rules
-    from jaxperf.perf.flops import flops_per_token
-    from jaxperf.perf.hardware import chip_for
-    from jaxperf.perf.memory import estimate
-    from jaxperf.step.optimizer import make_optimizer
-    from jaxperf.step.task import Task, decay_mask, next_token_loss
-
     if slices < 1:
         raise TopologyError(f"--slices {slices} must be >= 1")
     if slices > 1:
@@ -75,13 +67,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     shape = mesh_shape(cfg.parallel, len(devices))
     validate(cfg, len(devices), shape)
     mesh = make_mesh(cfg.parallel, devices)
-    rules = get_rules(cfg.parallel.strategy, mesh)
-    model_cfg = cfg.model
-    make = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
-    probe = Task.create(make, mesh, rules, None, seed=cfg.seed)
-    tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(probe.param_axes, probe.abstract_params))
-    task = Task.create(make, mesh, rules, tx, seed=cfg.seed)
-    step = task.train_step(next_token_loss, microbatches=cfg.microbatches, schedule=schedule)
+    task = build_task(cfg, mesh)
+    step = task.train_step(microbatches=cfg.microbatches)
     state = task.abstract_state()
     B, L = cfg.batch_size, cfg.train_seq_len
     tok = task.batch_sharding(2)
