@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxperf.train.checkpoint import Checkpointer, CorruptCheckpointError, checksums
+from jaxperf.train.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, checksums
 
 
 def _mesh(shape, names, n=None):
@@ -70,6 +70,51 @@ def test_round_trip_optax_state_and_metadata(tmp_path):
         _assert_same_tree(restored, state)
         assert isinstance(restored["opt_state"][1][0], optax.ScaleByAdamState)
         assert type(restored["tokens_seen"]) is int and restored["tokens_seen"] == 12345
+
+
+def _abstract(tree):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x, tree)
+
+
+def test_parameters_are_an_item_of_their_own_and_restore_without_the_optimizer(tmp_path):
+    state = _train_state()
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(7, state, metadata={"data_step": 7})
+        ckpt.wait()
+        assert sorted(p.name for p in (tmp_path / "7").iterdir() if p.is_dir()) == ["meta", "params", "state"]
+        restored, meta = ckpt.restore(7, {"params": _abstract(state["params"])})
+        _assert_same_tree(restored, {"params": state["params"]})
+        assert meta == {"data_step": 7}
+        # A params-only target does not accept parameters of another model ...
+        wrong = {"params": {**_abstract(state["params"]), "extra": np.zeros(2, np.float32)}}
+        with pytest.raises(IncompatibleCheckpointError, match=r"not in checkpoint: params\['extra'\]"):
+            ckpt.restore(7, wrong)
+    # ... and the parameters alone are checked against their checksums too.
+    _flip_bytes(tmp_path / "7", item="params")
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(CorruptCheckpointError, match="step 7"):
+        ckpt.restore(7, {"params": _abstract(state["params"])})
+
+
+def test_checkpoint_with_all_arrays_in_one_item_still_restores(tmp_path):
+    """The layout before parameters had an item of their own: one `state` item holding every array."""
+    import orbax.checkpoint as ocp
+
+    state = _train_state()
+    flat = {jax.tree_util.keystr(p): (x if isinstance(x, jax.Array) else np.asarray(x))
+            for p, x in jax.tree_util.tree_flatten_with_path(state)[0]}
+    meta = {"data_step": 7, "__checksums__": checksums(flat)}
+    manager = ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(create=True), item_handlers={
+        "state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(flat), meta=ocp.args.JsonSave(meta)))
+    manager.wait_until_finished()
+    manager.close()
+    with Checkpointer(tmp_path) as ckpt:
+        restored, meta = ckpt.restore(7, state)
+        _assert_same_tree(restored, state)
+        assert meta == {"data_step": 7}
+        params, _ = ckpt.restore(7, {"params": _abstract(state["params"])})
+        _assert_same_tree(params, {"params": state["params"]})
 
 
 def test_async_save_wait_and_retention(tmp_path):
@@ -201,8 +246,8 @@ def _largest_file(root):
     return max(files, key=os.path.getsize)
 
 
-def _flip_bytes(step_dir):
-    path = _largest_file(step_dir / "state")
+def _flip_bytes(step_dir, item="state"):
+    path = _largest_file(step_dir / item)
     data = bytearray(open(path, "rb").read())
     for i in range(len(data) // 3, len(data) // 3 + 8):
         data[i] ^= 0xFF

@@ -12,7 +12,11 @@ What it adds to Orbax:
   array); arrays are read straight into that sharding, so a checkpoint written on 8 devices restores onto 4, or onto a
   2-D mesh. Shapes must match the saved ones; dtypes are cast if they differ.
 - **Committed-only view.** ``latest_step``/``all_steps`` leave out a step whose asynchronous save is still running.
-- **Metadata.** A small JSON dict (data position, config...) is saved as a second Orbax item inside the same step
+- **Parameters apart.** A state whose top level has a `params` entry (a TrainState, a dict) is saved as two Orbax
+  items, ``params`` and ``state`` (everything else: step, optimizer, health), so parameters restore without building
+  an optimizer: pass a target that holds only ``{"params": ...}``. Checkpoints written with a single ``state`` item
+  (all arrays together) still restore, whole or parameters only.
+- **Metadata.** A small JSON dict (data position, config...) is saved as a third Orbax item inside the same step
   directory, so it is committed atomically with the arrays.
 - **Checksums.** Orbax commits atomically but does not notice flipped bits in array data. Every array gets a 64-bit
   checksum at save time (computed on device over the *global* array, so it does not depend on the mesh), stored with the
@@ -43,7 +47,8 @@ import orbax.checkpoint as ocp
 
 __all__ = ["Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "checksums"]
 
-_STATE, _META = "state", "meta"  # Orbax item names inside each step directory.
+_PARAMS, _STATE, _META = "params", "state", "meta"  # Orbax item names inside each step directory.
+_ARRAY_ITEMS = (_PARAMS, _STATE)
 _CHECKSUMS = "__checksums__"  # key of the checksum table inside the saved metadata
 _SCALARS = (bool, int, float, np.generic)
 
@@ -83,8 +88,36 @@ def _manager_options(keep: int, keep_every: int | None, async_save: bool) -> ocp
 
 
 def _flatten(tree: Any) -> tuple[dict[str, Any], jax.tree_util.PyTreeDef]:
+    """({name: leaf}, treedef). Leaves under a top-level `params` entry (an attribute or a dict key alike) are named
+    "params" + their path inside it, so a TrainState and a {"params": ...} dict name the same parameters the same."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}, treedef
+    flat = {}
+    for path, leaf in leaves:
+        first = path[0] if path else None
+        if getattr(first, "name", getattr(first, "key", None)) == _PARAMS:
+            flat[_PARAMS + jax.tree_util.keystr(path[1:])] = leaf
+        else:
+            flat[jax.tree_util.keystr(path)] = leaf
+    return flat, treedef
+
+
+def _item_of(name: str) -> str:
+    """The Orbax item a leaf is stored in: the parameters apart from everything else."""
+    return _PARAMS if name.startswith(_PARAMS) else _STATE
+
+
+_LEGACY_PARAMS = (".params", "['params']")  # how a single-item checkpoint spelled the parameters' paths
+
+
+def _canonical(item: str, stored: str) -> str:
+    """The name of a leaf stored under `stored` in `item` (the params item keeps paths relative to the parameters;
+    a checkpoint written as one item keeps full paths)."""
+    if item == _PARAMS:
+        return _PARAMS + stored
+    for prefix in _LEGACY_PARAMS:
+        if stored.startswith(prefix):
+            return _PARAMS + stored[len(prefix):]
+    return stored
 
 
 def _savable(name: str, leaf: Any) -> Any:
@@ -199,7 +232,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=_manager_options(keep, keep_every, async_save),
-            item_handlers={_STATE: ocp.StandardCheckpointHandler(), _META: ocp.JsonCheckpointHandler()},
+            item_handlers={_PARAMS: ocp.PyTreeCheckpointHandler(), _STATE: ocp.PyTreeCheckpointHandler(),
+                           _META: ocp.JsonCheckpointHandler()},
         )
         self._pending: int | None = None  # step of the last save started, until it is known to be committed
         self._closed = False
@@ -220,7 +254,10 @@ class Checkpointer:
         if _CHECKSUMS in meta:
             raise ValueError(f"metadata key {_CHECKSUMS!r} is reserved for the array checksums")
         meta[_CHECKSUMS] = checksums(flat)  # before save() returns: the caller may donate the buffers right after
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardSave(flat), _META: ocp.args.JsonSave(meta)})
+        by_item = {_PARAMS: {n[len(_PARAMS):]: x for n, x in flat.items() if _item_of(n) == _PARAMS},
+                   _STATE: {n: x for n, x in flat.items() if _item_of(n) == _STATE}}
+        args = ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree) for item, tree in by_item.items() if tree},
+                                  **{_META: ocp.args.JsonSave(meta)})
         started = self._manager.save(step, args=args, force=True)
         if started:
             self._pending = step
@@ -288,32 +325,58 @@ class Checkpointer:
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
+    def _saved_keys(self, step: int) -> dict[str, tuple[str, str, Any]]:
+        """{name: (item, stored name, array metadata)} of every array saved at `step`, whichever item holds it."""
+        try:
+            metadata = self._manager.item_metadata(step)
+        except Exception as e:  # noqa: BLE001 - any failure to read the array index means an unreadable step
+            raise CorruptCheckpointError(step, self.directory, f"cannot read the array index in "
+                                         f"{self._step_dir(step)}: {type(e).__name__}: {e}") from e
+        saved: dict[str, tuple[str, str, Any]] = {}
+        for item in _ARRAY_ITEMS:
+            try:
+                tree = metadata[item] if item in metadata else None
+                entries = dict(tree.items()) if tree is not None else {}
+            except Exception as e:  # noqa: BLE001
+                raise CorruptCheckpointError(step, self.directory, f"cannot read the array index in "
+                                             f"{self._step_dir(step)}/{item}: {type(e).__name__}: {e}") from e
+            saved.update({_canonical(item, name): (item, name, m) for name, m in entries.items()})
+        if not saved:
+            raise CorruptCheckpointError(step, self.directory, f"{self._step_dir(step)} holds no array index "
+                                         f"(neither {_PARAMS}/ nor {_STATE}/ can be read)")
+        return saved
+
     def _restore_step(self, step: int, target: Any, verify: bool) -> tuple[Any, dict]:
         where = self.directory
         flat_target, treedef = _flatten(target)
-        try:
-            saved_meta = self._manager.item_metadata(step)[_STATE]
-            saved = dict(saved_meta.items())
-        except Exception as e:  # noqa: BLE001 - any failure to read the array index means an unreadable step
-            raise CorruptCheckpointError(step, where, f"cannot read the array index in {self._step_dir(step)}/"
-                                         f"{_STATE}: {type(e).__name__}: {e}") from e
-        missing, extra = sorted(set(flat_target) - set(saved)), sorted(set(saved) - set(flat_target))
+        saved = self._saved_keys(step)
+        wanted = {_item_of(n) for n in flat_target}  # the items this target asks for: params, state or both
+        missing = sorted(set(flat_target) - set(saved))
+        extra = sorted(n for n in saved if n not in flat_target and _item_of(n) in wanted)
         if missing or extra:
             raise IncompatibleCheckpointError(
                 f"checkpoint {self._step_dir(step)} does not match the target (a checkpoint of another model?): "
                 f"not in checkpoint: {_diff(missing)}; not in target: {_diff(extra)}"
             )
-        wrong = [f"{n}: saved {tuple(saved[n].shape)}, target {tuple(np.shape(leaf))}"
+        wrong = [f"{n}: saved {tuple(saved[n][2].shape)}, target {tuple(np.shape(leaf))}"
                  for n, leaf in flat_target.items()
-                 if getattr(saved[n], "shape", None) is not None and tuple(saved[n].shape) != tuple(np.shape(leaf))]
+                 if getattr(saved[n][2], "shape", None) is not None
+                 and tuple(saved[n][2].shape) != tuple(np.shape(leaf))]
         if wrong:
             raise IncompatibleCheckpointError(
                 f"checkpoint {self._step_dir(step)} has arrays of other shapes than the target, so it comes from a "
                 f"model with another configuration: {_diff(wrong, 3)}. Restore with the configuration it was saved "
                 "with (its config.json sits in the run directory), or start a new run directory."
             )
-        abstract = {name: _abstract(name, leaf) for name, leaf in flat_target.items()}
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract), _META: ocp.args.JsonRestore()})
+        restore = {}
+        for item in _ARRAY_ITEMS:
+            abstract = {saved[n][1]: _abstract(n, leaf) for n, leaf in flat_target.items() if saved[n][0] == item}
+            if abstract:
+                complete = len(abstract) == sum(1 for it, _, _ in saved.values() if it == item)
+                restore[item] = ocp.args.PyTreeRestore(
+                    abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+                    partial_restore=not complete)
+        args = ocp.args.Composite(**restore, **{_META: ocp.args.JsonRestore()})
         try:
             restored = self._manager.restore(step, args=args)
             meta = restored[_META]
@@ -322,16 +385,18 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - truncated files, missing manifests, garbled JSON all end up here
             raise CorruptCheckpointError(step, where, f"reading {self._step_dir(step)} failed: "
                                          f"{type(e).__name__}: {_first_line(e)}") from e
-        flat = restored[_STATE]
+        flat = {_canonical(item, n): x for item in restore for n, x in restored[item].items()}
         meta = dict(meta)
         expected = meta.pop(_CHECKSUMS, None)
+        if expected is not None:
+            expected = {_canonical(_STATE, n): h for n, h in expected.items()}
         if verify and expected is not None:
             got = checksums(flat)
             bad = [n for n, h in got.items() if n in expected and expected[n].split(":")[0] == h.split(":")[0]
                    and expected[n] != h]
             if bad:
-                raise CorruptCheckpointError(step, where, f"array data of {_diff(bad, 3)} in {self._step_dir(step)}/"
-                                             f"{_STATE} does not match the checksum written with it")
+                raise CorruptCheckpointError(step, where, f"array data of {_diff(bad, 3)} in {self._step_dir(step)}"
+                                             f" does not match the checksum written with it")
         leaves = [_like(flat[name], leaf) for name, leaf in flat_target.items()]
         return jax.tree_util.tree_unflatten(treedef, leaves), meta
 
