@@ -61,6 +61,22 @@ def test_when_huge_pages_are_on_and_when_a_restart_would_help(glibc, mode, tunab
         assert f"GLIBC_TUNABLES={TUNABLE}=1" in text
 
 
+def test_only_cpu_only_hosts_are_restarted(monkeypatch, tmp_path):
+    assert hostmem.accelerator({"JAX_PLATFORMS": "cpu"}) is None
+    assert hostmem.accelerator({"JAX_PLATFORMS": "tpu,cpu"}) == "JAX_PLATFORMS=tpu,cpu"
+    monkeypatch.setattr(hostmem, "ACCELERATOR_PACKAGES", ())
+    monkeypatch.setattr(hostmem, "ACCELERATOR_DEVICES", (str(tmp_path / "nvidia0"),))
+    assert hostmem.accelerator({}) is None
+    (tmp_path / "nvidia0").write_text("")
+    assert hostmem.accelerator({}) == f"{tmp_path / 'nvidia0'} exists"
+    assert hostmem.accelerator({"JAX_PLATFORMS": "cpu"}) is None  # the user's choice wins over what is installed
+    monkeypatch.setattr(hostmem, "ACCELERATOR_PACKAGES", ("json",))  # any importable name stands in for a plugin
+    monkeypatch.setattr(hostmem, "ACCELERATOR_DEVICES", ())
+    assert hostmem.accelerator({}) == "json is installed"
+    gpu_host = HostMemory((2, 36), "madvise", None, accelerator="/dev/nvidia0 exists")
+    assert not gpu_host.can_enable and "not a CPU-only host: /dev/nvidia0 exists" in gpu_host.describe()
+
+
 CHILD = textwrap.dedent("""
     import json, resource
     import jax, jax.numpy as jnp

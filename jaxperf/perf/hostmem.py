@@ -1,13 +1,10 @@
 """Host memory for XLA:CPU: transparent huge pages for the buffer a compiled step maps on every run.
 
-XLA:CPU allocates a compiled program's temporary buffer (every intermediate of the step: 165 MB for the tiny
-preset's train step) with malloc each time the program runs and frees it when the run ends. glibc serves a block
-that large with a fresh mmap and gives it back with munmap, so each step faults in every 4 KiB page of it again and
-the kernel zeroes each one: 42,900 page faults and ~110 ms of kernel CPU time per step of the tiny preset on a 2-core
-VM, about a third of the step's CPU time. glibc's tunable `glibc.malloc.hugetlb=1` makes malloc advise transparent
-huge pages (madvise MADV_HUGEPAGE) on the memory it maps, so the same buffer comes in 2 MiB at a time: ~480 faults per
-step, and fewer TLB misses in the matmuls that read it. Measured: tiny preset step 204 -> 134 ms (median of three
-runs each).
+XLA:CPU allocates a compiled program's temporary buffer (every intermediate of the step) with malloc each time the
+program runs and frees it when the run ends. glibc serves a block that large with a fresh mmap and gives it back with
+munmap, so each step faults in every 4 KiB page of it again and the kernel zeroes each one. glibc's tunable
+`glibc.malloc.hugetlb=1` makes malloc advise transparent huge pages (madvise MADV_HUGEPAGE) on the memory it maps, so
+the same buffer comes in 2 MiB at a time, with far fewer faults and TLB misses. docs/cpu_hosts.md has the figures.
 
 A tunable is read once, when the process starts, so it cannot be switched on from Python. `reexec_with_huge_pages()`
 restarts the current program with it set; the `jaxperf` command and the benchmark scripts call it first thing. In
@@ -15,18 +12,18 @@ your own program, start Python with it:
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py
 
-It changes host memory only: on GPU and TPU hosts device buffers do not come from malloc, and host arrays on huge
-pages cost at most a little resident memory, so it is not limited to the CPU platform (finding the platform would
-start the backends before the restart). It does nothing where it cannot help: not glibc (or glibc before 2.35,
-which lacks the tunable), transparent huge pages set to `never` or `always` in
-/sys/kernel/mm/transparent_hugepage/enabled, the tunable already set, or JAXPERF_HUGE_PAGES=0 in the environment
-(the way to turn it off).
+The restart happens on CPU-only hosts alone: when JAX_PLATFORMS names only cpu, or when no accelerator is found (no
+libtpu or JAX GPU plugin installed, no /dev/nvidia0 or /dev/accel0), so a GPU or TPU host runs exactly the program
+it was given. It also does nothing where it cannot help: not glibc (or glibc before 2.35, which lacks the tunable),
+transparent huge pages set to `never` or `always` in /sys/kernel/mm/transparent_hugepage/enabled, the tunable
+already set, or JAXPERF_HUGE_PAGES=0 in the environment (the way to turn it off).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -36,6 +33,9 @@ TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "JAXPERF_HUGE_PAGES"  # "0": never restart the program for huge pages
 _RESTARTED = "_JAXPERF_HUGE_PAGES_RESTARTED"  # set on the restarted process: never restart twice
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# What marks a host with an accelerator JAX would use: its plugin packages and its device files.
+ACCELERATOR_PACKAGES = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+ACCELERATOR_DEVICES = ("/dev/nvidia0", "/dev/accel0", "/dev/kfd")
 
 
 @functools.cache  # fixed for the process; benchmark records ask on every record
@@ -61,6 +61,27 @@ def _thp_mode(path: Path = THP_ENABLED) -> str | None:
     return None
 
 
+def accelerator(env: dict[str, str]) -> str | None:
+    """What makes JAX likely to run on an accelerator here (a plugin or device found), or None on a CPU-only host.
+
+    Decided without starting JAX: JAX_PLATFORMS, when set, is taken at its word."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        others = [p for p in platforms if p != "cpu"]
+        return f"JAX_PLATFORMS={env['JAX_PLATFORMS']}" if others else None
+    for name in ACCELERATOR_PACKAGES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            return f"{name} is installed"
+    for path in ACCELERATOR_DEVICES:
+        if os.path.exists(path):
+            return f"{path} exists"
+    return None
+
+
 def _tunable_value(env: dict[str, str]) -> str | None:
     for item in env.get("GLIBC_TUNABLES", "").split(":"):
         key, _, value = item.partition("=")
@@ -76,6 +97,7 @@ class HostMemory:
     glibc: tuple[int, int] | None  # (major, minor), None when the C library is not glibc
     thp_mode: str | None  # the kernel's transparent huge page mode, None when unknown
     tunable: str | None  # the value of glibc.malloc.hugetlb in GLIBC_TUNABLES, None when unset
+    accelerator: str | None = None  # why this host is not CPU-only (jaxperf leaves such hosts alone), None if it is
 
     @property
     def huge_pages(self) -> bool:
@@ -84,9 +106,9 @@ class HostMemory:
 
     @property
     def can_enable(self) -> bool:
-        """Starting the program with glibc.malloc.hugetlb=1 would give it huge pages."""
+        """Starting the program with glibc.malloc.hugetlb=1 would give it huge pages, and this is a CPU-only host."""
         return (not self.huge_pages and self.tunable is None and self.thp_mode == "madvise"
-                and self.glibc is not None and self.glibc >= (2, 35))
+                and self.glibc is not None and self.glibc >= (2, 35) and self.accelerator is None)
 
     def describe(self) -> str:
         if self.huge_pages:
@@ -95,7 +117,8 @@ class HostMemory:
         if self.can_enable:
             return (f"host huge pages: off; start Python with GLIBC_TUNABLES={TUNABLE}=1 (the jaxperf command does): "
                     f"XLA:CPU maps its step buffers afresh every step and faults in each 4 KiB page")
-        why = ("the C library is not glibc" if self.glibc is None else
+        why = (f"not a CPU-only host: {self.accelerator}" if self.accelerator else
+               "the C library is not glibc" if self.glibc is None else
                f"glibc {self.glibc[0]}.{self.glibc[1]} lacks {TUNABLE} (2.35+)" if self.glibc < (2, 35) else
                f"kernel transparent huge pages: {self.thp_mode or 'unknown'}")
         return f"host huge pages: off ({why})"
@@ -103,7 +126,8 @@ class HostMemory:
 
 def host_memory(env: dict[str, str] | None = None) -> HostMemory:
     """This process's settings (or those a process started with `env` would have)."""
-    return HostMemory(_glibc_version(), _thp_mode(), _tunable_value(os.environ if env is None else env))
+    env = os.environ if env is None else env
+    return HostMemory(_glibc_version(), _thp_mode(), _tunable_value(env), accelerator(env))
 
 
 def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
@@ -115,7 +139,8 @@ def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
 
 
 def reexec_with_huge_pages() -> bool:
-    """Restart this program with glibc.malloc.hugetlb=1 when that gives it huge pages; False when it does not.
+    """Restart this program with glibc.malloc.hugetlb=1 when that gives it huge pages on a CPU-only host; False when
+    it does not.
 
     Call it first thing in a program's entry point (before threads start or files are written): on success it does not
     return, the process image is replaced (same pid, arguments and environment plus the tunable). Never call it from
