@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 try:  # jax >= 0.6 exposes axis types at the top level of jax.sharding.
@@ -50,13 +52,9 @@ def variable_logical_axes(variable) -> tuple[str | None, ...] | None:
 
 def no_eager_sharding():
     """Build NNX modules without Flax's eager sharding: jaxperf places parameters itself through jit out_shardings."""
-    from flax import nnx
-
     if hasattr(nnx, "use_eager_sharding"):
         return nnx.use_eager_sharding(False)
-    import contextlib  # pragma: no cover - flax without eager sharding
-
-    return contextlib.nullcontext()
+    return contextlib.nullcontext()  # pragma: no cover - flax without eager sharding
 
 
 def variable_value(variable):

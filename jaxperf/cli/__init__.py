@@ -16,6 +16,8 @@ import importlib
 import os
 import sys
 
+from jaxperf.perf.hostmem import reexec_with_huge_pages
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("jaxperf.cli.train", "train a model"),
@@ -52,7 +54,5 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """The console script: on CPU-only hosts restart once with huge pages (jaxperf.perf.hostmem), then main()."""
-    from jaxperf.perf.hostmem import reexec_with_huge_pages
-
     reexec_with_huge_pages()
     sys.exit(main())

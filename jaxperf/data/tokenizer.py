@@ -24,6 +24,7 @@ import pathlib
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_KINDS = ("byte", "bpe")
@@ -83,8 +84,6 @@ class BPETokenizer:
         Returns:
             the trained tokenizer; its `vocab_size` is the real size reached.
         """
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
         if vocab_size < 257:
             raise ValueError(f"BPE {vocab_size=} is too small: it needs 256 byte symbols + 1 special token (>= 257)")
         tok = Tokenizer(models.BPE())
@@ -102,8 +101,6 @@ class BPETokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> BPETokenizer:
         """Loads a `tokenizer.json` written by `save` (or any HF byte-level BPE tokenizer file)."""
-        from tokenizers import Tokenizer
-
         return cls(Tokenizer.from_file(str(path)))
 
     def save(self, path: str | os.PathLike) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +166,6 @@ class Generator:
         return nnx.merge(self._graphdef, template, self._other)
 
     def _prefill_fn(self, params, tokens_BxP, prompt_len_B, done_B, seed_B, seed_row_B, *, max_len: int) -> DecodeState:
-        cfg = self.cfg
         B, Pb = tokens_BxP.shape
         with activation_sharding(self.mesh, self.rules):
             model = self._merge(params)

@@ -26,12 +26,14 @@ first request.
 from __future__ import annotations
 
 import asyncio
+import html
 import dataclasses
 import json
 import math
 import queue
 import threading
 import time
+from contextlib import asynccontextmanager
 from typing import Any
 
 from jaxperf.generate.engine import TextStream
@@ -299,8 +301,6 @@ def create_app(generator, *, max_batch: int = 8, batch_window_s: float = 0.01, c
 
     `app.state.batcher` and `app.state.metrics` are reachable for tests and embedding.
     """
-    from contextlib import asynccontextmanager
-
     from starlette.applications import Starlette
     from starlette.requests import Request as HTTPRequest
     from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
@@ -355,8 +355,6 @@ def create_app(generator, *, max_batch: int = 8, batch_window_s: float = 0.01, c
         return JSONResponse(metrics.as_dict(batcher.queue_depth))
 
     async def page(_):
-        import html
-
         return HTMLResponse(PAGE.replace("MODEL_DESCRIPTION", html.escape(description)))
 
     @asynccontextmanager

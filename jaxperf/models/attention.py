@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxperf.models.kernels import pallas_attention, pallas_attention_unavailable
+from jaxperf.parallel.ring_attention import ring_attention_ambient, ring_unavailable
+
 AttentionFn = Callable[..., jax.Array]
 
 
@@ -90,22 +93,10 @@ def _cudnn_unavailable(q, k, v) -> str | None:
     return None
 
 
-def _pallas(q, k, v, *, causal=True, segment_ids=None):
-    from jaxperf.models.kernels import pallas_attention
-
-    return pallas_attention(q, k, v, causal=causal, segment_ids=segment_ids)
-
-
-def _pallas_unavailable(q, k, v):
-    from jaxperf.models.kernels import _pallas_attention_unavailable
-
-    return _pallas_attention_unavailable(q, k, v)
-
-
 register_attention("xla", xla_attention, priority=0)
 register_attention("cudnn", _cudnn_attention, _cudnn_unavailable, priority=10)
 # Explicit only ("auto" skips it, priority < 0) until a device benchmark shows it faster than the alternatives.
-register_attention("pallas", _pallas, _pallas_unavailable, priority=-1)
+register_attention("pallas", pallas_attention, pallas_attention_unavailable, priority=-1)
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto"):
@@ -132,17 +123,5 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
     return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
-def _ring(q, k, v, *, causal=True, segment_ids=None):
-    from jaxperf.parallel.ring_attention import ring_attention_ambient
-
-    return ring_attention_ambient(q, k, v, causal=causal, segment_ids=segment_ids)
-
-
-def _ring_unavailable(q, k, v):
-    from jaxperf.parallel.ring_attention import ring_unavailable
-
-    return ring_unavailable(q, k, v)
-
-
 # Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention); explicit only.
-register_attention("ring", _ring, _ring_unavailable, priority=-1)
+register_attention("ring", ring_attention_ambient, ring_unavailable, priority=-1)

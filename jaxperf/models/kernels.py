@@ -15,6 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxperf import _compat
+from pallas_kernels import cross_entropy as ce
+from pallas_kernels import norms
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
 from jaxperf.parallel.rules import activation_spec, current
 
 IMPLS = ("auto", "xla", "pallas")
@@ -57,8 +61,6 @@ def sharded(fn, in_specs, out_specs):
 
 
 def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
-    from pallas_kernels.flash_attention import flash_attention
-
     q_spec = activation_spec(("batch", "seq", "heads", "head_dim"), q.shape)
     kv_spec = activation_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape)
     if q_spec is None:
@@ -72,12 +74,8 @@ def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec), q_spec)(q, k, v, segment_ids)
 
 
-def _pallas_attention_unavailable(q, k, v):
-    try:
-        from pallas_kernels.flash_attention import unavailable_reason
-    except ImportError as e:  # pragma: no cover
-        return f"pallas_kernels.flash_attention is not importable: {e}"
-    return unavailable_reason(q, k, v)
+def pallas_attention_unavailable(q, k, v):
+    return flash_unavailable_reason(q, k, v)
 
 
 def _pad_spec(spec: P, ndim: int) -> P:
@@ -91,8 +89,6 @@ def _pad_spec(spec: P, ndim: int) -> P:
 def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
     """The Pallas LayerNorm / RMSNorm over the last dim (the XLA path lives in jaxperf.models.layers.Norm); with
     `residual`, normalises x + residual and returns (normed, sum)."""
-    from pallas_kernels import norms
-
     if kind == "layernorm":
         call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r)  # noqa: E731
     else:
@@ -126,8 +122,6 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
     time, in forward and backward). Under a mesh both run per batch shard, and the sums are psum-ed over the
     data-parallel axes.
     """
-    from pallas_kernels import cross_entropy as ce
-
     if impl == "chunked":
         which = "xla"
     else:

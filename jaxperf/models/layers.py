@@ -18,6 +18,7 @@ from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.parallel.rules import constrain
+from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
 
@@ -105,11 +106,7 @@ class Norm(nnx.Module):
 
 
 def _norm_unavailable(x) -> str | None:
-    try:
-        from pallas_kernels.norms import unavailable_reason
-    except ImportError as e:  # pragma: no cover
-        return f"pallas_kernels.norms is not importable: {e}"
-    return unavailable_reason(x)
+    return norm_unavailable_reason(x)
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:

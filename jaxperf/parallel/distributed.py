@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 _ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
@@ -31,8 +33,8 @@ def _cluster_detected() -> bool:
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> bool:
     """Starts the distributed runtime when this process is one of several; returns whether it did (or had)."""
-    import jax
-    from jax._src import distributed as _dist  # the only place that says whether initialize() already ran
+    # Private, so imported where used: the only place that says whether initialize() already ran.
+    from jax._src import distributed as _dist
 
     if getattr(_dist.global_state, "client", None) is not None:
         return True
@@ -84,8 +86,6 @@ def _int(env: dict, key: str) -> int | None:
 
 
 def _use_gloo_on_cpu() -> None:
-    import jax
-
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms in ("", "cpu") or platforms.startswith("cpu"):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from jaxperf import _compat
@@ -35,8 +36,6 @@ def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None)
 
 def _hybrid_mesh(shape: tuple[int, ...], slices: int, devices: list) -> Mesh:
     """data x fsdp x tensor with `data` split as (slices x per-slice data), devices grouped by slice_index."""
-    from jax.experimental import mesh_utils
-
     found = sorted({getattr(d, "slice_index", None) for d in devices}, key=str)
     if None in found or len(found) != slices:
         raise ConfigError(

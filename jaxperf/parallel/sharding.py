@@ -6,9 +6,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxperf.parallel.mesh import describe
 from jaxperf.parallel.rules import Rules, logical_to_spec
 
 
@@ -81,8 +81,6 @@ def device_memory_line(device: jax.Device | None = None) -> str | None:
 
 
 def format_report(report: dict, mesh: Mesh) -> str:
-    from jaxperf.parallel.mesh import describe
-
     lines = [describe(mesh)]
     for name, r in report.items():
         lines.append(

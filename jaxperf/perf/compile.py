@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +165,6 @@ def export_forward(model, *, batch: int, seq_len: int, path: str | os.PathLike |
       self-contained "saved model"; the file grows by the size of the weights).
     Returns the Exported; with `path`, also writes it (load with `load_exported`).
     """
-    import jax.numpy as jnp
-    from flax import nnx
-
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     pure = nnx.to_pure_dict(params)
     tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
@@ -182,6 +181,4 @@ def export_forward(model, *, batch: int, seq_len: int, path: str | os.PathLike |
 
 def forward_params(model) -> Any:
     """The `params` argument of a program exported by `export_forward(model, with_params=False)`."""
-    from flax import nnx
-
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))

@@ -50,7 +50,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape
+from flax import nnx
+
+from jaxperf import _compat
+from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
+from jaxperf.models.gpt import GPT
+from jaxperf.parallel.rules import get_rules, logical_to_spec
 
 GiB = 2**30
 
@@ -141,11 +146,6 @@ def _resolve_mesh(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None) ->
 @functools.lru_cache(maxsize=32)
 def _param_leaves(model_cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple | None], ...]:
     """(shape, dtype, logical axes) of every parameter of the built-in GPT, traced abstractly (no memory used)."""
-    from flax import nnx
-
-    from jaxperf import _compat
-    from jaxperf.models.gpt import GPT
-
     with _compat.no_eager_sharding():
         abstract = nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
@@ -158,8 +158,6 @@ def _param_leaves(model_cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], str, t
 
 
 def _shard_factor(shape, axes, table, mesh_shape: dict[str, int]) -> int:
-    from jaxperf.parallel.rules import logical_to_spec
-
     spec = logical_to_spec(axes, table, types.SimpleNamespace(shape=mesh_shape), shape)
     factor = 1
     for entry in spec:
@@ -198,9 +196,6 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) 
 
     Nothing is compiled or allocated: the model is traced abstractly once per model config.
     """
-    from jaxperf.config import validate
-    from jaxperf.parallel.rules import get_rules
-
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
     rules = get_rules(cfg.parallel.strategy)

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 __all__ = ["Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError", "checksums"]
 
@@ -413,8 +414,6 @@ class Checkpointer:
             except OSError as e:
                 _logger.warning("could not move corrupt checkpoint %s aside: %s", src, e)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices(f"jaxperf_quarantine_{step}")
         self._manager.reload()
 

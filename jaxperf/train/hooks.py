@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxperf.perf.hardware import peak_flops
 
@@ -262,8 +263,6 @@ class StopRequest:
         if not self.enabled:
             return False
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils  # importing it starts nothing; only multi-process runs ask
-
             if multihost_utils.reached_preemption_sync_point(step):
                 self.reason = self.reason or "preempted"
                 return True
