@@ -103,6 +103,25 @@ def test_grid_reduction_layout_and_sum_count():
         _assert_close(g, rg, 2e-5, name)
 
 
+def test_tpu_interpreter_runs_the_tpu_layout():
+    """interpret=pltpu.InterpretParams() runs the kernels on CPU with TPU semantics, and picks the TPU layout
+    (grid_reduction) by default."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    h, w, t, mask = _inputs(40, 32, 300, jnp.float32, True, seed=2)
+    kw = dict(impl="pallas", block_sizes=BlockSizes(block_n=16, block_v=128), interpret=pltpu.InterpretParams())
+    jaxpr = str(jax.make_jaxpr(lambda h, w: linear_cross_entropy(h, w, t, mask, **kw))(h, w))
+    assert "grid=(3, 3)" in jaxpr, "expected the (row blocks, vocab blocks) grid of the TPU layout"
+
+    def f(fn, **kw):
+        return jax.jit(jax.value_and_grad(lambda h, w: fn(h, w, t, mask, **kw)[0], (0, 1)))
+
+    value, grads = f(linear_cross_entropy, **kw)(h, w)
+    ref_value, ref_grads = f(linear_cross_entropy_reference)(h, w)
+    _assert_close(value, ref_value, 1e-5, "loss sum")
+    for name, g, rg in zip(("dh", "dw"), grads, ref_grads):
+        _assert_close(g, rg, 2e-5, name)
+
+
 def test_pallas_path_runs_three_kernels():
     h, w, t, _ = _inputs(40, 32, 100, jnp.float32, False)
     grad = jax.grad(lambda h, w: linear_cross_entropy(h, w, t, impl="pallas")[0], (0, 1))

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.flash_attention import BlockSizes, flash_attention, flash_attention_reference, unavailable_reason
+from pallas_kernels.flash_attention import (
+    BlockSizes,
+    SegmentIds,
+    as_segment_ids,
+    flash_attention,
+    flash_attention_reference,
+    unavailable_reason,
+)
 
 # dtype -> (forward atol/rtol, gradient atol/rtol); low precision is compared with the reference on the same inputs.
 TOL = {jnp.float32: (1e-5, 2e-5), jnp.bfloat16: (2e-2, 5e-2), jnp.float16: (5e-3, 1e-2)}
@@ -138,6 +145,24 @@ def test_lse_and_its_gradient_match_reference(causal, segments):
 
     for name, g, rg in zip(("dq", "dk", "dv"), loss(flash_attention)(q, k, v), loss(flash_attention_reference)(q, k, v)):
         _assert_close(g, rg, 2e-5, name)
+
+
+def test_segment_ids_forms_agree():
+    """One array, a (q, kv) tuple or list, and a SegmentIds mean the same mask, in the kernel and the reference."""
+    q, k, v, _, seg_BxL = _inputs(1, 77, 77, 2, 1, 16, jnp.float32, True, seed=6)
+    assert as_segment_ids(None) is None
+    forms = [seg_BxL, (seg_BxL, seg_BxL), [seg_BxL, seg_BxL], SegmentIds(q=seg_BxL, kv=seg_BxL)]
+    for form in forms:
+        segs = as_segment_ids(form)
+        assert isinstance(segs, SegmentIds) and segs.q is seg_BxL and segs.kv is seg_BxL
+    ref = flash_attention_reference(q, k, v, causal=False, segment_ids=seg_BxL)
+    unmasked = flash_attention_reference(q, k, v, causal=False)
+    assert not np.allclose(ref, unmasked, atol=1e-3)  # the segments really mask something
+    for form in forms:
+        _assert_close(flash_attention(q, k, v, causal=False, segment_ids=form), ref, 1e-5, type(form).__name__)
+        _assert_close(flash_attention_reference(q, k, v, causal=False, segment_ids=form), ref, 0.0, "reference")
+    with pytest.raises(ValueError, match="got 3 items"):
+        as_segment_ids((seg_BxL, seg_BxL, seg_BxL))
 
 
 def test_custom_scale_and_explicit_interpret():

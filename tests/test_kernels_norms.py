@@ -142,6 +142,18 @@ def test_padded_features_path(kind, bias):
     assert "f32[192,128]" not in str(jax.make_jaxpr(call(NormBlockSizes(64)))(x, r))
 
 
+def test_tpu_interpreter_mode():
+    """interpret=pltpu.InterpretParams() runs the kernels on CPU through the TPU interpreter, matching the reference."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    x, r, scale, b, ct_y, ct_h = _inputs((40, 64), jnp.float32, True, True, seed=3)
+    kw = dict(interpret=pltpu.InterpretParams())
+    (y, h), grads = _value_and_grads("layer", "pallas", x, r, scale, b, ct_y, ct_h, **kw)
+    (ry, rh), ref_grads = _value_and_grads("layer", "reference", x, r, scale, b, ct_y, ct_h)
+    _assert_close(y, ry, 1e-5, "normed")
+    for name, g, rg in zip(("dx", "dresidual", "dscale", "dbias"), grads, ref_grads):
+        _assert_close(g, rg, 2e-5 * (1.0 + float(np.max(np.abs(rg)))), name)
+
+
 def test_eps_and_mixed_dtypes():
     """eps reaches the kernel; a bf16 x with an fp32 residual sums in fp32 and returns the promoted h."""
     x = 1e-3 * jax.random.normal(jax.random.key(2), (9, 64), jnp.float32)

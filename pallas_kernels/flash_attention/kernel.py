@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .reference import flash_attention_reference, split_segment_ids
+from pallas_kernels import _util
 
-# Finite, so that fully masked rows and blocks never produce inf - inf = nan.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from .reference import SegmentIds, as_segment_ids, flash_attention_reference
 _SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _COMPILED_HEAD_DIMS = (64, 128, 256)
 
@@ -52,14 +51,6 @@ class BlockSizes:
         return cls(block_q=128, block_k=128, block_q_dq=128, block_k_dq=128, block_q_dkv=128, block_k_dkv=128)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static facts shared by the forward and backward kernels (hashable: it rides in nondiff_argnums)."""
@@ -81,8 +72,8 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
     """Shrink blocks to short sequences, check them, and return (blocks, q_len_pad, kv_len_pad)."""
     # TPU slices key blocks along lanes (key segment ids), so keep them >= 128; elsewhere 16 is the floor.
     q_floor, k_floor = (8, 128) if backend == "tpu" else (16, 16)
-    q_cap = max(q_floor, _next_pow2(q_len))
-    k_cap = max(k_floor, _next_pow2(kv_len))
+    q_cap = max(q_floor, _util.next_pow2(q_len))
+    k_cap = max(k_floor, _util.next_pow2(kv_len))
     sizes = dataclasses.asdict(blocks)
     for name, size in sizes.items():
         if not isinstance(size, int) or size <= 0:
@@ -94,8 +85,8 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
     sizes = {n: min(s, q_cap if "_q" in n else k_cap) for n, s in sizes.items()}
     q_blocks = [sizes["block_q"], sizes["block_q_dq"], sizes["block_q_dkv"]]
     k_blocks = [sizes["block_k"], sizes["block_k_dq"], sizes["block_k_dkv"]]
-    q_len_pad = _round_up(q_len, max(q_blocks))
-    kv_len_pad = _round_up(kv_len, max(k_blocks))
+    q_len_pad = _util.round_up(q_len, max(q_blocks))
+    kv_len_pad = _util.round_up(kv_len, max(k_blocks))
     for name in sizes:
         padded, which = (q_len_pad, "query") if "_q" in name else (kv_len_pad, "key")
         if padded % sizes[name]:
@@ -106,22 +97,8 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
     return BlockSizes(**sizes), q_len_pad, kv_len_pad
 
 
-def _compiler_params(cfg: _Config, num_grid_dims: int):
-    if cfg.interpret and not _is_tpu_interpret(cfg.interpret):
-        return None
-    if cfg.backend == "tpu" or _is_tpu_interpret(cfg.interpret):
-        from jax.experimental.pallas import tpu as pltpu
-
-        return pltpu.CompilerParams(dimension_semantics=("parallel",) * num_grid_dims)
-    if cfg.backend == "gpu":
-        from jax.experimental.pallas import triton as pltriton
-
-        return pltriton.CompilerParams(num_warps=4, num_stages=2)
-    return None
-
-
-def _is_tpu_interpret(interpret) -> bool:
-    return type(interpret).__name__ == "InterpretParams"
+def _compiler_params(cfg: _Config, dimension_semantics: tuple[str, ...]):
+    return _util.compiler_params(cfg.backend, cfg.interpret, dimension_semantics, num_warps=4, num_stages=2)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,7 +172,7 @@ def _fwd_kernel(*refs, cfg: _Config):
         kv_seg = ks_ref[:, pl.ds(col0, bk)] if ks_ref is not None else None
         mask = _mask(cfg, qi * bq, col0, (bq, bk), q_seg, kv_seg)
         if mask is not None:
-            s = jnp.where(mask, s, _MASK_VALUE)
+            s = jnp.where(mask, s, _util.MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new)
@@ -319,7 +296,7 @@ def _fwd_call(cfg: _Config, q, k, v, q_seg, kv_seg):
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((B, H, L_pad, 1), jnp.float32),
         ],
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg, ("parallel",) * 3),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(*args)
@@ -346,7 +323,7 @@ def _bwd_call(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + (seg_specs if cfg.has_segments else []),
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg, ("parallel",) * 3),
         interpret=cfg.interpret,
         name="flash_attention_dq",
     )(q, k, v, do, lse, delta, *seg_args)
@@ -367,7 +344,7 @@ def _bwd_call(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         + (seg_specs if cfg.has_segments else []),
         out_specs=[kblk_spec, kblk_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=_compiler_params(cfg, 3),
+        compiler_params=_compiler_params(cfg, ("parallel",) * 3),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
     )(q, k, v, do, lse, delta, *seg_args)
@@ -378,20 +355,21 @@ def _bwd_call(cfg: _Config, q, k, v, q_seg, kv_seg, do, lse, delta):
 # custom_vjp on the model's [B, L, H, Dh] layout.
 
 
-def _to_kernel_layout(cfg: _Config, q, k, v, q_seg, kv_seg):
-    """[B, L, H, Dh] -> padded [B, H, L_pad, Dh]; segment ids -> [B, L_pad, 1] and [B, 1, S_pad]."""
+def _to_kernel_layout(cfg: _Config, q, k, v, segs: SegmentIds | None):
+    """[B, L, H, Dh] -> padded [B, H, L_pad, Dh]; segment ids -> q_seg [B, L_pad, 1] and kv_seg [B, 1, S_pad]."""
     dl, ds = cfg.q_len_pad - cfg.q_len, cfg.kv_len_pad - cfg.kv_len
     q = jnp.pad(jnp.swapaxes(q, 1, 2), ((0, 0), (0, 0), (0, dl), (0, 0)))
     k = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, ds), (0, 0)))
     v = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, ds), (0, 0)))
-    if cfg.has_segments:
-        q_seg = jnp.pad(q_seg.astype(jnp.int32), ((0, 0), (0, dl)))[:, :, None]
-        kv_seg = jnp.pad(kv_seg.astype(jnp.int32), ((0, 0), (0, ds)))[:, None, :]
+    q_seg = kv_seg = None
+    if segs is not None:
+        q_seg = jnp.pad(segs.q.astype(jnp.int32), ((0, 0), (0, dl)))[:, :, None]
+        kv_seg = jnp.pad(segs.kv.astype(jnp.int32), ((0, 0), (0, ds)))[:, None, :]
     return q, k, v, q_seg, kv_seg
 
 
-def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
-    qt, kt, vt, qs, ks = _to_kernel_layout(cfg, q, k, v, q_seg, kv_seg)
+def _forward(cfg: _Config, q, k, v, segs: SegmentIds | None):
+    qt, kt, vt, qs, ks = _to_kernel_layout(cfg, q, k, v, segs)
     out_pad, lse_pad = _fwd_call(cfg, qt, kt, vt, qs, ks)
     out = jnp.swapaxes(out_pad[:, :, : cfg.q_len], 1, 2)
     lse = lse_pad[:, :, : cfg.q_len, 0]
@@ -399,27 +377,26 @@ def _forward(cfg: _Config, q, k, v, q_seg, kv_seg):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Config, q, k, v, q_seg, kv_seg):
-    return _forward(cfg, q, k, v, q_seg, kv_seg)[0]
+def _flash(cfg: _Config, q, k, v, segs: SegmentIds | None):
+    return _forward(cfg, q, k, v, segs)[0]
 
 
-def _flash_fwd(cfg: _Config, q, k, v, q_seg, kv_seg):
-    outs, residuals = _forward(cfg, q, k, v, q_seg, kv_seg)
+def _flash_fwd(cfg: _Config, q, k, v, segs: SegmentIds | None):
+    outs, residuals = _forward(cfg, q, k, v, segs)
     if cfg.backward == "reference":
-        residuals = (q, k, v, q_seg, kv_seg)
+        residuals = (q, k, v, segs)
     return outs, residuals
 
 
 def _flash_bwd(cfg: _Config, residuals, cotangents):
     d_out, d_lse = cotangents
     if cfg.backward == "reference":
-        q, k, v, q_seg, kv_seg = residuals
-        segs = None if q_seg is None else (q_seg, kv_seg)
+        q, k, v, segs = residuals
         fn = functools.partial(
             flash_attention_reference, causal=cfg.causal, segment_ids=segs, sm_scale=cfg.sm_scale, return_lse=True
         )
         _, vjp = jax.vjp(fn, q, k, v)
-        return (*vjp((d_out, d_lse)), None, None)
+        return (*vjp((d_out, d_lse)), None)
     qt, kt, vt, qs, ks, out_pad, lse_pad = residuals
     pad = ((0, 0), (0, 0), (0, cfg.q_len_pad - cfg.q_len), (0, 0))
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), pad).astype(qt.dtype)
@@ -430,7 +407,7 @@ def _flash_bwd(cfg: _Config, residuals, cotangents):
     dq = jnp.swapaxes(dq[:, :, : cfg.q_len], 1, 2)
     dk = jnp.swapaxes(dk[:, :, : cfg.kv_len], 1, 2)
     dv = jnp.swapaxes(dv[:, :, : cfg.kv_len], 1, 2)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -440,7 +417,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 # Public API.
 
 
-def _check_inputs(q, k, v, q_seg, kv_seg, causal: bool):
+def _check_inputs(q, k, v, segs: SegmentIds | None, causal: bool):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be rank 4 [B, L, H, Dh] / [B, S, K, Dh]; got {q.shape=} {k.shape=} {v.shape=}")
     B, L, H, Dh = q.shape
@@ -459,14 +436,15 @@ def _check_inputs(q, k, v, q_seg, kv_seg, causal: bool):
         raise ValueError(f"dtype {q.dtype} is not supported; use float32, bfloat16 or float16")
     if causal and S < L:
         raise ValueError(f"causal attention needs kv length >= query length, got {S=} < {L=}")
-    if q_seg is not None:
-        if q_seg.shape != (B, L) or kv_seg.shape != (B, S):
+    if segs is not None:
+        if segs.q.shape != (B, L) or segs.kv.shape != (B, S):
             raise ValueError(
                 f"segment ids must be [B, L] = {(B, L)} for queries and [B, S] = {(B, S)} for keys; "
-                f"got {tuple(q_seg.shape)} and {tuple(kv_seg.shape)}"
+                f"got {tuple(segs.q.shape)} and {tuple(segs.kv.shape)}"
+                + ("" if L == S else " (with L != S pass SegmentIds(q=..., kv=...) or a (q_seg, kv_seg) pair)")
             )
-        if not jnp.issubdtype(q_seg.dtype, jnp.integer) or not jnp.issubdtype(kv_seg.dtype, jnp.integer):
-            raise ValueError(f"segment ids must be integers, got {q_seg.dtype} and {kv_seg.dtype}")
+        if not jnp.issubdtype(segs.q.dtype, jnp.integer) or not jnp.issubdtype(segs.kv.dtype, jnp.integer):
+            raise ValueError(f"segment ids must be integers, got {segs.q.dtype} and {segs.kv.dtype}")
 
 
 def flash_attention(
@@ -488,7 +466,8 @@ def flash_attention(
     Args:
       q: [B, L, H, Dh]. k, v: [B, S, K, Dh] with H % K == 0 (GQA/MQA without repeating k/v).
       causal: causal mask, the query block aligned to the end of the keys (needs S >= L).
-      segment_ids: None, int [B, L] (needs L == S) or a (q_seg [B, L], kv_seg [B, S]) pair; different ids mask.
+      segment_ids: None, int [B, L] (needs L == S), a (q_seg [B, L], kv_seg [B, S]) pair or a `SegmentIds`;
+        query i sees key j only where their ids are equal.
       sm_scale: score scale, default Dh ** -0.5.
       block_sizes: tiles; default `BlockSizes.get_default(backend)`, shrunk for short sequences.
       interpret: None means True on CPU, else False; True or a `pltpu.InterpretParams()` runs the kernel on CPU.
@@ -505,11 +484,10 @@ def flash_attention(
     """
     if backward not in ("pallas", "reference"):
         raise ValueError(f"backward must be 'pallas' or 'reference', got {backward!r}")
-    q_seg, kv_seg = split_segment_ids(segment_ids)
-    _check_inputs(q, k, v, q_seg, kv_seg, causal)
-    backend = backend or jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
+    segs = as_segment_ids(segment_ids)
+    _check_inputs(q, k, v, segs, causal)
+    backend = _util.resolve_backend(backend)
+    interpret = _util.resolve_interpret(interpret, backend)
     B, L, H, Dh = q.shape
     S = k.shape[1]
     if not interpret and Dh not in _COMPILED_HEAD_DIMS:
@@ -526,9 +504,9 @@ def flash_attention(
         interpret=interpret,
         backend=backend,
         backward=backward,
-        has_segments=q_seg is not None,
+        has_segments=segs is not None,
     )
-    out, lse = _flash(cfg, q, k, v, q_seg, kv_seg)
+    out, lse = _flash(cfg, q, k, v, segs)
     return (out, lse) if return_lse else out
 
 
