@@ -4,12 +4,12 @@ The Pallas kernels really run here: on CPU `impl="pallas"` runs their bodies in 
 Legend: N tokens, D model width, V vocabulary.
 """
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _accelerators import tpu_replicated
 
 import pallas_kernels.cross_entropy as ce
 from pallas_kernels.cross_entropy import (
@@ -274,16 +274,7 @@ def test_block_sizes_defaults():
 
 
 def test_tpu_lowering_compiles_fwd_and_bwd():
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = tpu_replicated("v5p:2x2x1")
     h = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16, sharding=replicated)
     w = jax.ShapeDtypeStruct((256, 5000), jnp.bfloat16, sharding=replicated)
     t = jax.ShapeDtypeStruct((1000,), jnp.int32, sharding=replicated)

@@ -6,13 +6,13 @@ Legend: B batch, L query length, S key length, H query heads, K kv heads, Dh hea
 
 import dataclasses
 import functools
-import importlib.util
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _accelerators import tpu_replicated
 
 from pallas_kernels.flash_attention import (
     BlockSizes,
@@ -358,17 +358,8 @@ def _with_vmem_limit(monkeypatch, limit_bytes: int):
 def test_tpu_compiles_long_causal_attention_in_little_vmem(monkeypatch):
     """Sequence 32768, head dim 128, bf16, causal, GQA: forward and backward compile for a v5p with every kernel held
     to 1 MiB of VMEM, at 4096 as at 32768. The whole-K/V kernels needed 32 MiB for the forward alone at 32768."""
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
+    replicated = tpu_replicated("v5p:2x2x1")
     _with_vmem_limit(monkeypatch, 2**20)
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
 
     def loss(q, k, v):
         return jnp.sum(flash_attention(q, k, v, causal=True, backend="tpu").astype(jnp.float32))
@@ -390,16 +381,7 @@ def test_tpu_compiles_long_causal_attention_in_little_vmem(monkeypatch):
     [(256, 4, 2, 128, jnp.bfloat16, True, True), (200, 2, 1, 64, jnp.float32, False, False)],
 )
 def test_tpu_lowering_compiles_fwd_and_bwd(L, H, K, Dh, dtype, causal, segments):
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = tpu_replicated("v5p:2x2x1")
     q = jax.ShapeDtypeStruct((2, L, H, Dh), dtype, sharding=replicated)
     kv = jax.ShapeDtypeStruct((2, L, K, Dh), dtype, sharding=replicated)
     seg = jax.ShapeDtypeStruct((2, L), jnp.int32, sharding=replicated)

@@ -6,13 +6,13 @@ Legend: R rows (all leading dims), D features.
 """
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _accelerators import tpu_replicated
 
 from jaxperf.config import ParallelConfig, get_config
 from jaxperf.models import GPT
@@ -289,16 +289,7 @@ def test_model_trains_the_same_with_pallas_norms_under_fsdp(style):
 
 @pytest.mark.parametrize("kind,shape,dtype", [("layer", (2, 77, 96), jnp.bfloat16), ("rms", (3, 130, 256), jnp.float32)])
 def test_tpu_lowering_compiles_fwd_and_bwd(kind, shape, dtype):
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = tpu_replicated("v5p:2x2x1")
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     vec = jax.ShapeDtypeStruct(shape[-1:], jnp.float32, sharding=replicated)
 
