@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _accelerators import tpu_replicated
+from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 import pallas_kernels.cross_entropy as ce
 from pallas_kernels.cross_entropy import (
@@ -294,3 +294,22 @@ def test_tpu_lowering_compiles_fwd_and_bwd():
     stats = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w, t).compile().memory_analysis()
     fused = stats.temp_size_in_bytes + stats.output_size_in_bytes
     assert 4 * fused <= N * V * 4, f"fused {fused / 2**20:.0f} MiB vs fp32 logits {N * V * 4 / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: lower forward and backward through the Pallas Triton lowering from this CPU-only machine, at LM-head shapes.
+
+
+@pytest.mark.parametrize("N,D,V", [(4096, 2048, 32768), (4000, 2000, 50257)])  # the second: nothing a power of two
+def test_gpu_lowering_fwd_and_bwd(N, D, V):
+    h = jax.ShapeDtypeStruct((N, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((N,), jnp.int32)
+    mask = jax.ShapeDtypeStruct((N,), jnp.float32)
+
+    def loss(h, w, t, mask):
+        total, count = linear_cross_entropy(h, w, t, mask, z_loss=1e-4, impl="pallas", backend="gpu")
+        return total / count
+
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), h, w, t, mask)
+    assert gpu_kernel_names(text) == ["linear_cross_entropy_fwd", "linear_cross_entropy_dh", "linear_cross_entropy_dw"]

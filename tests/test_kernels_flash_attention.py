@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _accelerators import tpu_replicated
+from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 from pallas_kernels.flash_attention import (
     BlockSizes,
@@ -394,3 +394,31 @@ def test_tpu_lowering_compiles_fwd_and_bwd(L, H, K, Dh, dtype, causal, segments)
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 3, "expected the forward, dq and dk/dv Mosaic kernels in the TPU program"
     assert compiled.memory_analysis() is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: lower forward and backward through the Pallas Triton lowering (the kernels pass Triton compiler params) from
+# this CPU-only machine, at training shapes.
+
+
+@pytest.mark.parametrize(
+    "B,L,S,H,K,Dh,causal,segments",
+    [
+        (2, 2048, 2048, 8, 2, 64, True, False),
+        (2, 2048, 2048, 8, 2, 64, False, True),
+        (1, 4096, 4096, 16, 4, 128, True, True),
+        (2, 2048, 2048, 8, 8, 128, False, False),
+        (1, 1000, 3000, 6, 2, 128, True, True),  # awkward lengths, S > L, 3 query heads per kv head
+    ],
+)
+def test_gpu_lowering_fwd_and_bwd(B, L, S, H, K, Dh, causal, segments):
+    q = jax.ShapeDtypeStruct((B, L, H, Dh), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, K, Dh), jnp.bfloat16)
+    segs = SegmentIds(jax.ShapeDtypeStruct((B, L), jnp.int32), jax.ShapeDtypeStruct((B, S), jnp.int32))
+
+    def loss(q, k, v, segs):
+        out = flash_attention(q, k, v, causal=causal, segment_ids=segs if segments else None, backend="gpu")
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, kv, kv, segs)
+    assert gpu_kernel_names(text) == ["flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from _accelerators import tpu_replicated
+from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 from jaxperf.config import ParallelConfig, get_config
 from jaxperf.models import GPT
@@ -303,3 +303,29 @@ def test_tpu_lowering_compiles_fwd_and_bwd(kind, shape, dtype):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, x, vec, vec).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 2, "expected the forward and backward Mosaic kernels"
     assert compiled.memory_analysis() is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: lower forward and backward through the Pallas Triton lowering from this CPU-only machine, at model widths.
+
+
+@pytest.mark.parametrize(
+    "kind,shape,residual",
+    [("rms", (4096, 4096), False), ("rms", (4096, 4096), True), ("layer", (4096, 4096), True),
+     ("layer", (2, 1000, 3000), False)],  # the last one: rows and D that are not powers of two
+)
+def test_gpu_lowering_fwd_and_bwd(kind, shape, residual):
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    vec = jax.ShapeDtypeStruct(shape[-1:], jnp.bfloat16)
+
+    def loss(x, r, scale, b):
+        r = r if residual else None
+        if kind == "rms":
+            out = rms_norm(x, scale, residual=r, backend="gpu")
+        else:
+            out = layer_norm(x, scale, b, residual=r, backend="gpu")
+        y, h = out if residual else (out, x)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(jnp.square(h.astype(jnp.float32)))
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, vec, vec)
+    assert gpu_kernel_names(text) == [f"{kind}_norm_fwd", f"{kind}_norm_bwd"]
