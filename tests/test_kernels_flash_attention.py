@@ -285,6 +285,10 @@ def test_tpu_kernels_vmem_does_not_grow_with_sequence_length():
         ((1, 130, 2, 16), (1, 130, 2, 16), {"block_sizes": BlockSizes(128, 128, 96, 128, 128, 128)}, "block_q_dq=96"),
         ((1, 8, 2, 16), (1, 8, 2, 16), {"block_sizes": BlockSizes(0, 128, 128, 128, 128, 128)}, "block_q=0"),
         ((1, 8, 2, 16), (1, 8, 2, 16), {"backward": "xla"}, "backward must be"),
+        ((1, 8, 2, 64), (1, 8, 2, 64), {"backend": "tpu", "block_sizes": BlockSizes(128, 96, 128, 128, 128, 128)},
+         "block_k=96 must be a multiple of 128 on TPU; use 128"),
+        ((1, 8, 2, 64), (1, 8, 2, 64), {"backend": "gpu", "block_sizes": BlockSizes(48, 64, 64, 64, 64, 64)},
+         "block_q=48 must be a power of two for the Triton lowering; use 64"),
     ],
 )
 def test_bad_inputs_raise_with_numbers(q_shape, k_shape, kw, match):

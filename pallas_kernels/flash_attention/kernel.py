@@ -44,9 +44,14 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"BlockSizes.{name}={size!r} must be a positive int")
         if backend == "gpu" and size & (size - 1):
-            raise ValueError(f"BlockSizes.{name}={size} must be a power of two for the Triton lowering")
-        if backend == "tpu" and size % (128 if "_k" in name else 8):
-            raise ValueError(f"BlockSizes.{name}={size} must be a multiple of {128 if '_k' in name else 8} on TPU")
+            raise ValueError(
+                f"BlockSizes.{name}={size} must be a power of two for the Triton lowering; use {_util.next_pow2(size)}"
+            )
+        multiple = 128 if "_k" in name else 8
+        if backend == "tpu" and size % multiple:
+            raise ValueError(
+                f"BlockSizes.{name}={size} must be a multiple of {multiple} on TPU; use {_util.round_up(size, multiple)}"
+            )
     sizes = {n: min(s, q_cap if "_q" in n else k_cap) for n, s in sizes.items()}
     q_blocks = [sizes["block_q"], sizes["block_q_dq"], sizes["block_q_dkv"]]
     k_blocks = [sizes["block_k"], sizes["block_k_dq"], sizes["block_k_dkv"]]
@@ -190,7 +195,8 @@ def flash_attention(
         query i sees key j only where their ids are equal.
       sm_scale: score scale, default Dh ** -0.5.
       block_sizes: tiles; default `BlockSizes.get_default(backend)`, shrunk for short sequences.
-      interpret: None means True on CPU, else False; True or a `pltpu.InterpretParams()` runs the kernel on CPU.
+      interpret: None means True on CPU, else False. True runs the portable kernels on CPU; `pltpu.InterpretParams()`
+        runs the TPU kernels (sequential grid axes, VMEM scratch) on CPU with the TPU interpreter.
       return_lse: also return lse [B, H, L] float32 (differentiable).
       backward: "pallas" (dq and dk/dv kernels) or "reference" (the reference's VJP, to test the backward alone).
       backend: platform the kernel is built for ("cpu", "gpu", "tpu"); default `jax.default_backend()`. Set "tpu"
