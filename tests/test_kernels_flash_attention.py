@@ -361,13 +361,15 @@ def _with_vmem_limit(monkeypatch, limit_bytes: int):
 
 def test_tpu_compiles_long_causal_attention_in_little_vmem(monkeypatch):
     """Sequence 32768, head dim 128, bf16, causal, GQA: forward and backward compile for a v5p with every kernel held
-    to 1 MiB of VMEM, at 4096 as at 32768. The whole-K/V kernels needed 32 MiB for the forward alone at 32768."""
+    to 1 MiB of VMEM, at 4096 as at 32768. A forward holding whole K/V blocks needs 2 (k, v) x 2 (buffers) x S x Dh
+    x 2 bytes of VMEM, 4 MiB at 4096 already; and HBM temporaries grow linearly, not with the [L, S] scores."""
     replicated = tpu_replicated("v5p:2x2x1")
     _with_vmem_limit(monkeypatch, 2**20)
 
     def loss(q, k, v):
         return jnp.sum(flash_attention(q, k, v, causal=True, backend="tpu").astype(jnp.float32))
 
+    temp_bytes = {}
     for L in (4096, 32768):
         q = jax.ShapeDtypeStruct((1, L, 4, 128), jnp.bfloat16, sharding=replicated)
         kv = jax.ShapeDtypeStruct((1, L, 2, 128), jnp.bfloat16, sharding=replicated)
@@ -375,9 +377,8 @@ def test_tpu_compiles_long_causal_attention_in_little_vmem(monkeypatch):
         assert fwd.as_text().count("tpu_custom_call") >= 1
         bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
         assert bwd.as_text().count("tpu_custom_call") >= 3, "expected the forward, dq and dk/dv Mosaic kernels"
-        stats = bwd.memory_analysis()
-        # HBM: the [B, H, L, 1] lse and delta rows are the only per-row residuals, so temporaries stay linear in L.
-        assert stats.temp_size_in_bytes < 40 * L * 4 * 128 * 2, stats
+        temp_bytes[L] = bwd.memory_analysis().temp_size_in_bytes
+    assert temp_bytes[32768] <= 9 * temp_bytes[4096], temp_bytes  # 8x the length: 64x if [L, S] scores were stored
 
 
 @pytest.mark.parametrize(
