@@ -378,7 +378,10 @@ def test_tpu_compiles_long_causal_attention_in_little_vmem(monkeypatch):
         bwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
         assert bwd.as_text().count("tpu_custom_call") >= 3, "expected the forward, dq and dk/dv Mosaic kernels"
         temp_bytes[L] = bwd.memory_analysis().temp_size_in_bytes
-    assert temp_bytes[32768] <= 9 * temp_bytes[4096], temp_bytes  # 8x the length: 64x if [L, S] scores were stored
+    # HBM temporaries per query position stay within a small factor (XLA's buffer assignment varies with size);
+    # storing [L, S] scores would make them 8x larger at 8x the length.
+    per_position = {L: temp_bytes[L] / L for L in temp_bytes}
+    assert per_position[32768] <= 2 * per_position[4096], temp_bytes
 
 
 @pytest.mark.parametrize(
