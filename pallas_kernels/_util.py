@@ -1,8 +1,11 @@
-"""Helpers shared by the norm and cross-entropy kernels: interpret default, padding, per-backend compiler params.
+"""Helpers shared by every kernel in the package: interpret default, padding, rounding, the mask value and
+per-backend compiler params.
 
 The Pallas backend follows the type of `compiler_params` (jax 0.10 to 0.12): `pltpu.CompilerParams` lowers with Mosaic
-TPU, `pltriton.CompilerParams` with Triton on NVIDIA/AMD GPUs. In interpret mode no params are passed: the kernel runs
-as a scan over the grid on whatever backend is present (the only way to run it on CPU).
+TPU, `pltriton.CompilerParams` with Triton on NVIDIA/AMD GPUs. In plain interpret mode (`interpret=True`) no params are
+passed: the kernel runs as a scan over the grid on whatever backend is present (the only way to run it on CPU). With
+`interpret=pltpu.InterpretParams()` the TPU interpreter runs the kernel on CPU with TPU semantics (VMEM scratch,
+sequential grid axes, race detection), so the Mosaic params are passed there too.
 """
 
 from __future__ import annotations
@@ -11,6 +14,15 @@ import jax
 import jax.numpy as jnp
 
 SUPPORTED_BACKENDS = ("tpu", "gpu")
+
+# A large negative *finite* score for masked entries: a row or block that is fully masked then yields
+# exp(MASK_VALUE - MASK_VALUE) = 1 or exp(MASK_VALUE - m) = 0, never inf - inf = nan.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def is_tpu_interpret(interpret) -> bool:
+    """True for `pltpu.InterpretParams(...)`: run on CPU, but with the TPU kernel's layout and semantics."""
+    return type(interpret).__name__ == "InterpretParams"
 
 
 def resolve_backend(backend: str | None) -> str:
@@ -21,10 +33,13 @@ def resolve_backend(backend: str | None) -> str:
     return "gpu" if backend in ("cuda", "rocm") else backend
 
 
-def resolve_interpret(interpret: bool | None, backend: str) -> bool:
-    """interpret=None means: interpret where there is no compiled Pallas backend (CPU)."""
+def resolve_interpret(interpret, backend: str):
+    """interpret=None means: interpret where there is no compiled Pallas backend (CPU). `pltpu.InterpretParams` is kept
+    as it is (it selects the TPU interpreter); anything else becomes a bool."""
     if interpret is None:
         return backend not in SUPPORTED_BACKENDS
+    if is_tpu_interpret(interpret):
+        return interpret
     return bool(interpret)
 
 
@@ -37,26 +52,34 @@ def check_runnable(interpret: bool, backend: str, op: str) -> None:
         )
 
 
-def compiler_params(backend: str, interpret: bool, dimension_semantics: tuple[str, ...], *, num_warps: int = 4):
-    """Backend-specific compiler params for pl.pallas_call (None in interpret mode)."""
-    if interpret:
-        return None
-    if backend == "tpu":
+def compiler_params(
+    backend: str, interpret, dimension_semantics: tuple[str, ...], *, num_warps: int = 4, num_stages: int = 1
+):
+    """Backend-specific compiler params for pl.pallas_call.
+
+    Mosaic TPU params for backend "tpu" and for the TPU interpreter (`pltpu.InterpretParams`, which reads the
+    dimension semantics); Triton params for "gpu"; None in plain interpret mode.
+    """
+    if is_tpu_interpret(interpret) or (backend == "tpu" and not interpret):
         from jax.experimental.pallas import tpu as pltpu
 
         return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+    if interpret:
+        return None
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltriton
 
-        return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+        return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     raise ValueError(f"no Pallas compiler params for backend={backend!r}")
 
 
 def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= n."""
     return -(-n // multiple) * multiple
 
 
 def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 

@@ -41,8 +41,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _util
 
 _F32 = jnp.float32
-# Finite, so that masked vocabulary columns never produce inf - inf = nan.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 IMPLS = ("auto", "pallas", "xla", "reference")
 
@@ -89,7 +87,7 @@ class _Config:
     block_n: int
     block_v: int
     grid_reduction: bool
-    interpret: bool
+    interpret: object  # bool, or pltpu.InterpretParams (the TPU interpreter)
     backend: str
 
 
@@ -127,11 +125,12 @@ def _dot_tn(a, b):  # a[k, m]^T @ b[k, n] -> [m, n] fp32
 
 
 def _logits_tile(cfg: _Config, h, w, col0):
-    """fp32 logits of one [rows, bv] tile with padded vocabulary columns pushed to _MASK_VALUE, and the column ids."""
+    """fp32 logits of one [rows, bv] tile with padded vocabulary columns pushed to the (finite) mask value, and the
+    column ids."""
     logits = _dot(h, w)
     cols = col0 + lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     if cfg.vocab_pad != cfg.vocab:
-        logits = jnp.where(cols < cfg.vocab, logits, _MASK_VALUE)
+        logits = jnp.where(cols < cfg.vocab, logits, _util.MASK_VALUE)
     return logits, cols
 
 
@@ -371,7 +370,7 @@ def _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss):
         raise ValueError(f"z_loss must be a non-negative Python float, got {z_loss!r}")
 
 
-def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, interpret: bool) -> _Config:
+def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, interpret) -> _Config:
     """Check block sizes, shrink them to the problem, and work out the padded sizes."""
     for name in ("block_n", "block_v", "chunk_n"):
         size = getattr(blocks, name)
@@ -400,7 +399,8 @@ def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, 
     else:  # the xla engine keeps V and D as they are and chunks rows by chunk_n
         block_n = min(blocks.chunk_n, _util.round_up(N, 8))
         block_v, vocab_pad, dim_pad = V, V, D
-    grid_reduction = backend == "tpu" if blocks.grid_reduction is None else bool(blocks.grid_reduction)
+    tpu_layout = backend == "tpu" or _util.is_tpu_interpret(interpret)
+    grid_reduction = tpu_layout if blocks.grid_reduction is None else bool(blocks.grid_reduction)
     if compiled and backend == "gpu" and grid_reduction:
         raise ValueError("BlockSizes.grid_reduction=True needs sequential grid axes, which Triton lacks; use False")
     return _Config(
@@ -446,7 +446,8 @@ def linear_cross_entropy(
       impl: "auto" (the "xla" path for now), "pallas" (the kernels; interpret mode on CPU), "xla" (chunked jnp),
         "reference" (materialises the logits).
       block_sizes: tiles; default `BlockSizes.get_default(backend)`, shrunk for small inputs.
-      interpret: None means True on CPU, else False; True runs the Pallas kernels on CPU.
+      interpret: None means True on CPU, else False; True runs the Pallas kernels on CPU, and
+        `pltpu.InterpretParams()` runs them there with TPU semantics (the TPU layout, grid_reduction=True).
       backend: platform the kernels are built for ("cpu", "gpu", "tpu"); default `jax.default_backend()`. Set "tpu"
         to compile for TPU devices from a CPU host (AOT against a topology).
 

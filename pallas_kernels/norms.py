@@ -183,7 +183,7 @@ class _Cfg:
     d: int
     block_rows: int
     pad_features: bool
-    interpret: bool
+    interpret: object  # bool, or pltpu.InterpretParams (the TPU interpreter)
     backend: str
     x_dtype: str  # dtypes of x and residual (None without one): the cotangents must come back in them
     r_dtype: str | None

@@ -4,12 +4,12 @@ The Pallas kernels really run here: on CPU `impl="pallas"` runs their bodies in 
 Legend: N tokens, D model width, V vocabulary.
 """
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 import pallas_kernels.cross_entropy as ce
 from pallas_kernels.cross_entropy import (
@@ -100,6 +100,25 @@ def test_grid_reduction_layout_and_sum_count():
         return jax.grad(lambda h, w: linear_cross_entropy(h, w, t, mask, impl=impl, block_sizes=blocks)[0], (0, 1))
 
     for name, g, rg in zip(("dh", "dw"), jax.jit(f("pallas"))(h, w), jax.jit(f("reference"))(h, w)):
+        _assert_close(g, rg, 2e-5, name)
+
+
+def test_tpu_interpreter_runs_the_tpu_layout():
+    """interpret=pltpu.InterpretParams() runs the kernels on CPU with TPU semantics, and picks the TPU layout
+    (grid_reduction) by default."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    h, w, t, mask = _inputs(40, 32, 300, jnp.float32, True, seed=2)
+    kw = dict(impl="pallas", block_sizes=BlockSizes(block_n=16, block_v=128), interpret=pltpu.InterpretParams())
+    jaxpr = str(jax.make_jaxpr(lambda h, w: linear_cross_entropy(h, w, t, mask, **kw))(h, w))
+    assert "grid=(3, 3)" in jaxpr, "expected the (row blocks, vocab blocks) grid of the TPU layout"
+
+    def f(fn, **kw):
+        return jax.jit(jax.value_and_grad(lambda h, w: fn(h, w, t, mask, **kw)[0], (0, 1)))
+
+    value, grads = f(linear_cross_entropy, **kw)(h, w)
+    ref_value, ref_grads = f(linear_cross_entropy_reference)(h, w)
+    _assert_close(value, ref_value, 1e-5, "loss sum")
+    for name, g, rg in zip(("dh", "dw"), grads, ref_grads):
         _assert_close(g, rg, 2e-5, name)
 
 
@@ -255,16 +274,7 @@ def test_block_sizes_defaults():
 
 
 def test_tpu_lowering_compiles_fwd_and_bwd():
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = tpu_replicated("v5p:2x2x1")
     h = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16, sharding=replicated)
     w = jax.ShapeDtypeStruct((256, 5000), jnp.bfloat16, sharding=replicated)
     t = jax.ShapeDtypeStruct((1000,), jnp.int32, sharding=replicated)
@@ -284,3 +294,22 @@ def test_tpu_lowering_compiles_fwd_and_bwd():
     stats = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(h, w, t).compile().memory_analysis()
     fused = stats.temp_size_in_bytes + stats.output_size_in_bytes
     assert 4 * fused <= N * V * 4, f"fused {fused / 2**20:.0f} MiB vs fp32 logits {N * V * 4 / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: lower forward and backward through the Pallas Triton lowering from this CPU-only machine, at LM-head shapes.
+
+
+@pytest.mark.parametrize("N,D,V", [(4096, 2048, 32768), (4000, 2000, 50257)])  # the second: nothing a power of two
+def test_gpu_lowering_fwd_and_bwd(N, D, V):
+    h = jax.ShapeDtypeStruct((N, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((N,), jnp.int32)
+    mask = jax.ShapeDtypeStruct((N,), jnp.float32)
+
+    def loss(h, w, t, mask):
+        total, count = linear_cross_entropy(h, w, t, mask, z_loss=1e-4, impl="pallas", backend="gpu")
+        return total / count
+
+    text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), h, w, t, mask)
+    assert gpu_kernel_names(text) == ["linear_cross_entropy_fwd", "linear_cross_entropy_dh", "linear_cross_entropy_dw"]

@@ -6,13 +6,13 @@ Legend: R rows (all leading dims), D features.
 """
 
 import dataclasses
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 from jaxperf.config import ParallelConfig, get_config
 from jaxperf.models import GPT
@@ -141,6 +141,18 @@ def test_padded_features_path(kind, bias):
     call = lambda blocks: lambda x, r: _call(kind, "pallas", x, r, scale, b, block_sizes=blocks)  # noqa: E731
     assert "f32[192,128]" in str(jax.make_jaxpr(call(blocks))(x, r))
     assert "f32[192,128]" not in str(jax.make_jaxpr(call(NormBlockSizes(64)))(x, r))
+
+
+def test_tpu_interpreter_mode():
+    """interpret=pltpu.InterpretParams() runs the kernels on CPU through the TPU interpreter, matching the reference."""
+    pltpu = pytest.importorskip("jax.experimental.pallas.tpu")
+    x, r, scale, b, ct_y, ct_h = _inputs((40, 64), jnp.float32, True, True, seed=3)
+    kw = dict(interpret=pltpu.InterpretParams())
+    (y, h), grads = _value_and_grads("layer", "pallas", x, r, scale, b, ct_y, ct_h, **kw)
+    (ry, rh), ref_grads = _value_and_grads("layer", "reference", x, r, scale, b, ct_y, ct_h)
+    _assert_close(y, ry, 1e-5, "normed")
+    for name, g, rg in zip(("dx", "dresidual", "dscale", "dbias"), grads, ref_grads):
+        _assert_close(g, rg, 2e-5 * (1.0 + float(np.max(np.abs(rg)))), name)
 
 
 def test_eps_and_mixed_dtypes():
@@ -278,16 +290,7 @@ def test_model_trains_the_same_with_pallas_norms_under_fsdp(style):
 
 @pytest.mark.parametrize("kind,shape,dtype", [("layer", (2, 77, 96), jnp.bfloat16), ("rms", (3, 130, 256), jnp.float32)])
 def test_tpu_lowering_compiles_fwd_and_bwd(kind, shape, dtype):
-    if importlib.util.find_spec("libtpu") is None:
-        pytest.skip(
-            "libtpu is absent, so TPU compilation cannot be checked here; install it in a separate venv: "
-            "`pip install 'jax[tpu]==<your jax version>'`, then run this test with JAX_PLATFORMS=cpu"
-        )
-    from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    devices = topologies.get_topology_desc("v5p:2x2x1", platform="tpu").devices
-    replicated = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), PartitionSpec())
+    replicated = tpu_replicated("v5p:2x2x1")
     x = jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
     vec = jax.ShapeDtypeStruct(shape[-1:], jnp.float32, sharding=replicated)
 
@@ -301,3 +304,29 @@ def test_tpu_lowering_compiles_fwd_and_bwd(kind, shape, dtype):
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(x, x, vec, vec).compile()
     assert compiled.as_text().count("tpu_custom_call") >= 2, "expected the forward and backward Mosaic kernels"
     assert compiled.memory_analysis() is not None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: lower forward and backward through the Pallas Triton lowering from this CPU-only machine, at model widths.
+
+
+@pytest.mark.parametrize(
+    "kind,shape,residual",
+    [("rms", (4096, 4096), False), ("rms", (4096, 4096), True), ("layer", (4096, 4096), True),
+     ("layer", (2, 1000, 3000), False)],  # the last one: rows and D that are not powers of two
+)
+def test_gpu_lowering_fwd_and_bwd(kind, shape, residual):
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    vec = jax.ShapeDtypeStruct(shape[-1:], jnp.bfloat16)
+
+    def loss(x, r, scale, b):
+        r = r if residual else None
+        if kind == "rms":
+            out = rms_norm(x, scale, residual=r, backend="gpu")
+        else:
+            out = layer_norm(x, scale, b, residual=r, backend="gpu")
+        y, h = out if residual else (out, x)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(jnp.square(h.astype(jnp.float32)))
+
+    text = lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2, 3)), x, x, vec, vec)
+    assert gpu_kernel_names(text) == [f"{kind}_norm_fwd", f"{kind}_norm_bwd"]

@@ -2,10 +2,19 @@
 
     out = flash_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, segment_ids=None)
 
+`segment_ids` is None, one [B, L] array, a (q, kv) pair or a `SegmentIds`; `as_segment_ids` normalises them.
+
 `flash_attention_reference` is the pure-jnp spec; `unavailable_reason` says why the kernel cannot run here (or None).
 """
 
 from .kernel import BlockSizes, flash_attention, unavailable_reason
-from .reference import flash_attention_reference
+from .reference import SegmentIds, as_segment_ids, flash_attention_reference
 
-__all__ = ["BlockSizes", "flash_attention", "flash_attention_reference", "unavailable_reason"]
+__all__ = [
+    "BlockSizes",
+    "SegmentIds",
+    "as_segment_ids",
+    "flash_attention",
+    "flash_attention_reference",
+    "unavailable_reason",
+]

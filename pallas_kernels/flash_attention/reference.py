@@ -5,18 +5,39 @@ Legend: B batch, L query length, S key length, H query heads, K kv heads, G = H 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 
-def split_segment_ids(segment_ids):
-    """`None`, one [B, L] array (queries and keys share it) or a (q_seg [B, L], kv_seg [B, S]) pair."""
-    if segment_ids is None:
-        return None, None
+class SegmentIds(NamedTuple):
+    """Segment ids of packed sequences: query i of row b sees key j only where q[b, i] == kv[b, j].
+
+    q: int [B, L] for the queries; kv: int [B, S] for the keys (the same array when L == S and they are shared).
+    A NamedTuple, so it is a pytree and passes through jit, shard_map and custom_vjp as its two arrays.
+    """
+
+    q: jax.Array
+    kv: jax.Array
+
+
+def as_segment_ids(segment_ids) -> SegmentIds | None:
+    """Normalise every accepted form to a `SegmentIds` (or None).
+
+    Accepts None, one [B, L] int array (queries and keys share it, so L == S), a (q [B, L], kv [B, S]) tuple or list,
+    or a `SegmentIds`.
+    """
+    if segment_ids is None or isinstance(segment_ids, SegmentIds):
+        return segment_ids
     if isinstance(segment_ids, (tuple, list)):
-        q_seg, kv_seg = segment_ids
-        return q_seg, kv_seg
-    return segment_ids, segment_ids
+        if len(segment_ids) != 2:
+            raise ValueError(
+                f"segment_ids as a sequence must be a (q_seg [B, L], kv_seg [B, S]) pair, got {len(segment_ids)} "
+                "items; pass SegmentIds(q=..., kv=...) or one [B, L] array shared by queries and keys"
+            )
+        return SegmentIds(*segment_ids)
+    return SegmentIds(segment_ids, segment_ids)
 
 
 def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scale=None, return_lse=False):
@@ -28,7 +49,7 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scal
     Args:
       q: [B, L, H, Dh]. k, v: [B, S, K, Dh] with H % K == 0 (each kv head serves H // K query heads).
       causal: causal mask.
-      segment_ids: None, int32 [B, L] (needs L == S) or a (q_seg [B, L], kv_seg [B, S]) tuple.
+      segment_ids: None, int32 [B, L] (needs L == S), a (q_seg [B, L], kv_seg [B, S]) tuple or a `SegmentIds`.
       sm_scale: score scale, default Dh ** -0.5.
       return_lse: also return the logsumexp of the scaled, masked scores.
 
@@ -48,9 +69,9 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scal
     if causal:
         mask_LxS = (jnp.arange(L)[:, None] + (S - L)) >= jnp.arange(S)[None, :]
         mask_BxKxGxLxS = mask_BxKxGxLxS & mask_LxS[None, None, None]
-    q_seg, kv_seg = split_segment_ids(segment_ids)
-    if q_seg is not None:
-        mask_BxKxGxLxS = mask_BxKxGxLxS & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
+    segs = as_segment_ids(segment_ids)
+    if segs is not None:
+        mask_BxKxGxLxS = mask_BxKxGxLxS & (segs.q[:, None, None, :, None] == segs.kv[:, None, None, None, :])
     s_BxKxGxLxS = jnp.where(mask_BxKxGxLxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     lse_BxKxGxL = jax.nn.logsumexp(s_BxKxGxLxS, axis=-1)
     p_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - lse_BxKxGxL[..., None])
