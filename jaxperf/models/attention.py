@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from jaxperf.models.kernels import pallas_attention, pallas_attention_unavailable
 from jaxperf.parallel.ring_attention import ring_attention_ambient, ring_unavailable
+from pallas_kernels.flash_attention import as_segment_ids
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -69,7 +70,7 @@ def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, se
         mask_LxS = (jnp.arange(L)[:, None] + (S - L)) >= jnp.arange(S)[None, :]
     mask = jnp.tile(mask_LxS, (G, 1))[None, None]  # row g*L + i is query position i
     if segment_ids is not None:
-        q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        q_seg, kv_seg = as_segment_ids(segment_ids)
         mask = mask & (jnp.tile(q_seg, (1, G))[:, None, :, None] == kv_seg[:, None, None, :])
     scores_BxKxMxS = jnp.where(mask, scores_BxKxMxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxKxMxS, axis=-1).astype(v_BxSxKxDh.dtype)

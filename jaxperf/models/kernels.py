@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from jaxperf import _compat
 from pallas_kernels import cross_entropy as ce
 from pallas_kernels import norms
-from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention import SegmentIds, as_segment_ids, flash_attention
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
 from jaxperf.parallel.rules import activation_spec, current
 
@@ -67,11 +67,12 @@ def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
     q_spec, kv_spec = _pad_spec(q_spec, 4), _pad_spec(kv_spec, 4)
     seg_spec = P(q_spec[0], None)
-    if segment_ids is None:
+    segs = as_segment_ids(segment_ids)
+    if segs is None:
         fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
         return sharded(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
-    fn = lambda q, k, v, s: flash_attention(q, k, v, causal=causal, segment_ids=s)  # noqa: E731
-    return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec), q_spec)(q, k, v, segment_ids)
+    fn = lambda q, k, v, qs, ks: flash_attention(q, k, v, causal=causal, segment_ids=SegmentIds(qs, ks))  # noqa: E731
+    return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec)(q, k, v, *segs)
 
 
 def pallas_attention_unavailable(q, k, v):

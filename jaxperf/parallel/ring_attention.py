@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxperf import _compat
+from pallas_kernels.flash_attention import as_segment_ids
 from jaxperf.parallel.rules import activation_spec, current
 
 
@@ -83,7 +84,7 @@ def ring_attention(q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, axis_name: str, *, causal
         # A dummy rider keeps the loop's structure fixed (zeros_like keeps k's per-device type for shard_map's check).
         q_seg, kv_seg = None, jnp.zeros_like(k_BxCxKxDh[:, :, 0, 0], dtype=jnp.int32)
     else:
-        q_seg, kv_seg = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        q_seg, kv_seg = as_segment_ids(segment_ids)
     update = jax.checkpoint(
         lambda carry, kv, k_start: _block_update(
             carry, kv, q_BxCxKxGxDh=q_BxCxHxDh.reshape(B, C, K, G, Dh), q_seg_BxC=q_seg, q_start=me * C,
@@ -157,12 +158,9 @@ def ring_attention_sharded(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, mesh: Mesh, seq_a
     q_spec = P(batch_axes, seq_axis, head_axes, None)
     seg_spec = P(batch_axes, seq_axis)
     fn = lambda q, k, v, seg: ring_attention(q, k, v, seq_axis, causal=causal, segment_ids=seg)  # noqa: E731
-    if segment_ids is None:
-        seg_args, seg_specs = None, None
-    elif isinstance(segment_ids, tuple):
-        seg_args, seg_specs = tuple(segment_ids), (seg_spec, seg_spec)
-    else:
-        seg_args, seg_specs = segment_ids, seg_spec
+    segs = as_segment_ids(segment_ids)
+    seg_args = None if segs is None else tuple(segs)
+    seg_specs = None if segs is None else (seg_spec, seg_spec)
     run = _compat.shard_map(fn, mesh=mesh, in_specs=(q_spec, q_spec, q_spec, seg_specs), out_specs=q_spec)
     return run(q_BxLxHxDh, k_BxLxKxDh, v_BxLxKxDh, seg_args)
 

@@ -12,10 +12,10 @@ from jaxperf.perf.memory import (
 )
 from jaxperf.perf.profile import audit_host_syncs, step_annotation, trace
 from jaxperf.perf.roofline import DeviceSpec, RooflinePoint, analyze, plot
-from jaxperf.perf.timing import StepTimer, Timing, benchmark
+from jaxperf.perf.timing import Timing, benchmark
 
 __all__ = [
-    "CHIPS", "Chip", "DeviceSpec", "HostMemory", "MemoryEstimate", "OutOfMemoryAdvice", "RooflinePoint", "StepTimer",
+    "CHIPS", "Chip", "DeviceSpec", "HostMemory", "MemoryEstimate", "OutOfMemoryAdvice", "RooflinePoint",
     "Timing", "advise", "analyze", "aot_compile", "audit_host_syncs", "benchmark", "check_fits", "chip_for",
     "compiled_memory", "describe", "enable_compilation_cache", "estimate", "export_fn", "export_forward",
     "flops_per_token", "format_info", "host_memory", "live_device_memory", "load_exported", "matmul_params",

@@ -105,34 +105,3 @@ def benchmark(
         times.append(dt)
         total += dt
     return Timing(tuple(times), compile_s, warmup)
-
-
-class StepTimer:
-    """Wall-clock time between consecutive `tick()`s, for a training loop.
-
-    The trainer reads metrics one step late, so the device is never idle waiting for the host; a tick after that
-    read measures the steady-state step time including the wait for the device. `window` recent steps are kept.
-    """
-
-    def __init__(self, window: int = 50):
-        self.window = window
-        self._last: float | None = None
-        self._times: list[float] = []
-
-    def tick(self) -> float | None:
-        """Mark the end of a step; the seconds since the previous tick (None on the first)."""
-        now = time.perf_counter()
-        dt = None if self._last is None else now - self._last
-        self._last = now
-        if dt is not None:
-            self._times.append(dt)
-            del self._times[: -self.window]
-        return dt
-
-    def reset(self) -> None:
-        """Forget the last tick (after a pause such as a checkpoint save or an eval)."""
-        self._last = None
-
-    @property
-    def median_s(self) -> float | None:
-        return statistics.median(self._times) if self._times else None

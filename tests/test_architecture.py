@@ -1,0 +1,108 @@
+"""The layout holds: imports go one way (docs/ARCHITECTURE.md), nothing is imported lazily to dodge a circle, model
+code never asks which backend it runs on, and pyproject lists every package."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxperf"
+
+# What each part of jaxperf may import (besides itself). The same table is in docs/ARCHITECTURE.md.
+ALLOWED = {
+    "_compat": set(),
+    "config": set(),
+    "data": {"config"},
+    "parallel": {"_compat", "config"},
+    "models": {"_compat", "config", "parallel"},
+    "perf": {"_compat", "config", "parallel", "models"},
+    "step": {"_compat", "config", "parallel", "models", "perf"},
+    "explicit": {"_compat", "config", "parallel", "models", "step"},
+    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit"},
+    "generate": {"_compat", "config", "data", "parallel", "models", "perf", "step", "train"},
+    "interop": {"_compat", "config", "data", "parallel", "models", "step"},
+    "cli": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "train", "generate",
+            "interop"},
+    "": {"config", "models", "step", "train"},  # jaxperf/__init__.py: the public names
+}
+# Imported inside functions on purpose: optional extras, and private jax modules that may move between versions.
+DEFERRED_OK = ("tensorboardX", "starlette", "uvicorn", "matplotlib", "jax._src", "jax.experimental.shard_map",
+               "jax.sharding")
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).parts
+        part = "" if rel == ("__init__.py",) else rel[0].removesuffix(".py")
+        yield path, part, ast.parse(path.read_text())
+
+
+def _imported(node) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if node.level:  # relative imports stay inside a package
+        return []
+    if node.module == "jaxperf":
+        return [f"jaxperf.{a.name}" for a in node.names]
+    return [node.module or ""]
+
+
+def test_imports_go_one_way():
+    wrong = []
+    for path, part, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _imported(node):
+                    if name.startswith("jaxperf."):
+                        target = name.split(".")[1]
+                        if target != part and target not in ALLOWED[part]:
+                            wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "imports against docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
+
+
+def test_the_allowed_imports_have_no_cycle():
+    seen, done = set(), set()
+
+    def visit(part, trail):
+        assert part not in seen - done, f"import cycle: {' -> '.join([*trail, part])}"
+        if part in done:
+            return
+        seen.add(part)
+        for dep in ALLOWED[part]:
+            visit(dep, [*trail, part])
+        done.add(part)
+
+    for part in ALLOWED:
+        visit(part, [])
+
+
+def test_no_lazy_imports_of_the_library_or_its_core_dependencies():
+    lazy = []
+    for path, _, tree in _modules():
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    for name in _imported(node):
+                        if not name.startswith(DEFERRED_OK):
+                            lazy.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name} inside {fn.name}")
+    assert not lazy, "move these imports to the top of the module:\n" + "\n".join(lazy)
+
+
+def test_model_code_never_asks_the_backend():
+    for name in ("gpt.py", "layers.py", "hooks.py"):
+        source = (PACKAGE / "models" / name).read_text()
+        assert "default_backend" not in source, f"jaxperf/models/{name} branches on the backend: settle the choice " \
+                                                f"in jaxperf/models/platform.py instead"
+
+
+def test_pyproject_lists_every_package():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.relative_to(ROOT).parts[:-1]) for p in ROOT.glob("jaxperf/**/__init__.py")}
+    found |= {".".join(p.relative_to(ROOT).parts[:-1]) for p in ROOT.glob("pallas_kernels/**/__init__.py")}
+    found |= {"jaxperf.benchmarks" + "".join(f".{x}" for x in p.relative_to(ROOT / "benchmarks").parts[:-1])
+              for p in (ROOT / "benchmarks").glob("**/__init__.py")}
+    assert listed == found, f"pyproject.toml [tool.setuptools] packages: missing {found - listed}, extra {listed - found}"
