@@ -49,6 +49,7 @@ def cli_run(tmp_path_factory):
     return rc, out
 
 
+@pytest.mark.slow
 def test_cli_bench_writes_results(cli_run, capsys):
     rc, out = cli_run
     assert rc == 0
@@ -128,6 +129,7 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
         assert (tmp_path / "collectives.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
     recs = load("parallel").main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
     pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "shard_map/tp",
@@ -145,6 +147,7 @@ def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
         assert (tmp_path / "parallel.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_generate_tiny_checks_then_times_prefill_and_decode():
     recs = load("generate").main(["--tiny"])
     check_records(recs, "generate", ["prefill_b1", "decode_b1", "prefill_b4", "decode_b4"])
@@ -171,6 +174,7 @@ def test_hardware_rejects_unknown_dtype():
         load("hardware").main(["--tiny", "--dtypes", "int4"])
 
 
+@pytest.mark.slow
 def test_train_tiny_without_peer():
     records = load("train").main(["--tiny", "--peer", "none", "--rounds", "2"])
     check_records(records, "train", ["tiny/jaxperf", "tiny/torch"])
@@ -220,6 +224,7 @@ def _peer_python():
     return sys.executable if importlib.util.find_spec("torch") is not None else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_torch_peer_matches_jaxperf(style, tmp_path):
     """Same parameters and batch: the peer's loss equals jaxperf's, and so do the losses after AdamW updates."""

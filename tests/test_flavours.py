@@ -160,6 +160,7 @@ def test_shard_map_fsdp_gathers_each_layer_inside_the_layer_loop():
         assert len(outside) == 4 and not any("f32[2," in x for x in outside), (op, outside)
 
 
+@pytest.mark.slow
 def test_overlap_grad_reduce_matches_and_reduces_each_layer_inside_the_backward(single_device):
     """shard_map dp with overlap_grad_reduce: the same numbers, and the layers' gradients are all-reduced inside the
     backward scan over layers (its loop body) rather than all at once after it."""
@@ -290,6 +291,7 @@ class _FixedBatches:
         return {k: v[rows] if rows is not None else v for k, v in b.items()}
 
 
+@pytest.mark.slow
 def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path, single_device):
     common = ["strategy=dp", "data=8", "fsdp=1", f"batch_size={BATCH}", f"max_steps={STEPS}", "lr=1e-3",
               "warmup_steps=0", "decay_steps=10", "eps=1e-3", "eval_every=0", "eval_batches=0", "checkpoint_every=0",

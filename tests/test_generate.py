@@ -181,6 +181,7 @@ def test_generation_on_a_mesh_equals_single_device(strategy, parallel):
     assert [r.tokens for r in sharded] == [r.tokens for r in single]
 
 
+@pytest.mark.slow
 def test_cli_generates_from_a_trained_checkpoint(tmp_path, capsys):
     from jaxperf.cli import main
     from jaxperf.train.trainer import Trainer

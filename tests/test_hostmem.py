@@ -108,6 +108,7 @@ def _faults(env: dict[str, str]) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @needs_madvise_thp
 def test_huge_pages_stop_the_per_run_page_faults_of_the_temporary_buffer():
     plain = _faults(_plain_env())

@@ -107,6 +107,7 @@ def _scan_to_loop(scan_model: GPT, loop_model: GPT) -> None:
     nnx.update(loop_model.final_norm, nnx.state(scan_model.final_norm))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("style", ["gpt2", "llama"])
 def test_scanned_layers_equal_looped_layers(style):
     cfg = dataclasses.replace(SMALL, style=style, n_kv_heads=2 if style == "llama" else None)

@@ -85,10 +85,9 @@ def validate_model(m: ModelConfig) -> ModelConfig:
             raise ConfigError(f"model.{f.name}={value!r} is not one of {allowed}")
     r = m.resolved()
     if r.n_heads % r.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads={r.n_heads} is not a multiple of model.n_kv_heads={r.n_kv_heads}: each KV head serves a "
-            f"whole group of query heads; pick n_kv_heads among {[d for d in range(1, r.n_heads + 1) if r.n_heads % d == 0]}"
-        )
+        divisors = [d for d in range(1, r.n_heads + 1) if r.n_heads % d == 0]
+        raise ConfigError(f"model.n_heads={r.n_heads} is not a multiple of model.n_kv_heads={r.n_kv_heads}: pick "
+                          f"n_kv_heads among {divisors}")
     if r.position == "rope" and r.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head_dim, got {r.head_dim}")
     if r.scan_unroll < 1:
@@ -108,9 +107,8 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
             "shard_map", "dp", 1):
         raise ConfigError(
             f"parallel.overlap_grad_reduce runs with parallel.flavour=shard_map, parallel.strategy=dp and "
-            f"microbatches=1 (each layer's gradients are all-reduced once, inside the backward pass), not flavour="
-            f"{cfg.parallel.flavour}, strategy={cfg.parallel.strategy}, microbatches={cfg.microbatches}; under jit XLA "
-            f"schedules the gradient reduction itself")
+            f"microbatches=1, not {cfg.parallel.flavour}, {cfg.parallel.strategy}, {cfg.microbatches}: set those, or "
+            f"drop it (under jit XLA schedules the gradient reduction itself)")
     shape = shape or mesh_shape(cfg.parallel, num_devices)
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:

@@ -26,9 +26,10 @@
              tp (Megatron), also with dp or fsdp: each device keeps its own attention heads, KV heads and MLP columns
                (the dims the rule table puts on `tensor`) and runs the layers on them; the attention-output and
                MLP-output matmuls then hold partial sums, which the layers add up with `lax.psum` over `tensor`
-               (the step installs `hooks.row_parallel = psum over tensor`). Autodiff under shard_map's replication check puts
-               the matching psum of the input gradient into the backward by itself. A parameter the rule table splits
-               over `tensor` on any other dim (the embedding's vocabulary) enters whole and its gradient leaves whole.
+               (the step installs `hooks.row_parallel` = psum over `tensor`). Autodiff under shard_map's replication
+               check puts the matching psum of the input gradient into the backward by itself. A parameter the rule
+               table splits over `tensor` on any other dim (the embedding's vocabulary) enters whole and its gradient
+               leaves whole.
                A custom model runs this flavour only if its row-parallel layers call `hooks.row_parallel`.
   pmap       data parallelism the classic way, one process: the state carries a leading device axis, `jax.pmap` runs
              the same per-device step as shard_map dp. `FlavouredStep.to_step` / `from_step` convert at the boundary,
@@ -184,9 +185,9 @@ def _check_tensor_split(task: Task) -> None:
                 why = (f"its {size} {name} do not divide over tensor={t}" if TENSOR_AXIS not in names
                        else f"it is split over {names}, not over tensor alone")
                 raise ConfigError(
-                    f"flavour=shard_map runs tensor parallelism with each device holding its own {name}, but "
-                    f"parameter {path} ({spec}) is not split that way: {why}. Pick model sizes whose heads, KV heads "
-                    f"and MLP width divide by tensor={t}, or use parallel.flavour=jit")
+                    f"flavour=shard_map needs every {name} dim split over tensor alone, but parameter {path} ({spec}): "
+                    f"{why}; "
+                    f"make heads, KV heads and MLP width divide by tensor={t}, or use parallel.flavour=jit")
 
 
 def check_flavour(flavour: str, task: Task) -> None:
@@ -406,9 +407,9 @@ def _replicated_step(task: Task, loss_fn: LossFn, *, axes, microbatches: int, sc
                                              weighted=True, hooks=hooks.hooks)
         if hooks.calls == 0 or not isinstance(g, dict) or key not in g:
             raise ConfigError(
-                f"parallel.overlap_grad_reduce needs a model that keeps its layers' parameters under its "
-                f"`layer_stack` key and passes them through its hooks.layer_params (jaxperf.models.hooks; the "
-                f"built-in GPT does); this model {'never called it' if hooks.calls == 0 else 'has no ' + repr(key)}")
+                f"parallel.overlap_grad_reduce needs a model whose stacked layers pass through hooks.layer_params "
+                f"(jaxperf.models.hooks; the built-in GPT does); this one "
+                f"{'never called it' if hooks.calls == 0 else 'has no ' + repr(key)}")
         g = {k: (v if k == key else jax.tree.map(psum, v)) for k, v in g.items()}
         return g, psum(w), psum(lw), model_state  # sums over devices of grads x w, w, loss x w (all times scale)
 
@@ -462,9 +463,8 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
 
     if overlap_grad_reduce and (sharded or microbatches != 1):
         raise ConfigError(
-            f"parallel.overlap_grad_reduce runs with strategy dp and one microbatch (each layer's gradients are "
-            f"all-reduced once, in the backward pass), not strategy {task.rules.name!r} with microbatches="
-            f"{microbatches}: set overlap_grad_reduce=false, or strategy=dp and microbatches=1")
+            f"parallel.overlap_grad_reduce runs with strategy dp and one microbatch, not strategy "
+            f"{task.rules.name!r} with microbatches={microbatches}: set strategy=dp microbatches=1, or drop it")
     if not sharded and overlap_grad_reduce:
         # A layer's gradient is summed inside the backward, so in the replication check's terms the parameters' own
         # gradients would have to change type from per-device to replicated half-way through autodiff; the check

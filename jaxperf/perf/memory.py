@@ -30,11 +30,8 @@ and their gradient in fp32, L x H each):
 
 It is an estimate: XLA fuses elementwise work and reuses buffers, so the compiled program can need less (or some
 scratch more). Remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`), where each
-iteration recomputes one layer. With the layers unrolled XLA schedules the whole stack at once and, on XLA:CPU, remat
-measured no saving at all (tiny preset, d_model 64, 2 layers, fsdp=8, remat=full: 2.8 MB of temporaries scanned,
-5.6 MB unrolled, 5.5 MB unrolled without remat); use `scan_unroll=1` where remat is meant to save memory. Without
-remat the estimate fits unrolled layers best: on XLA:CPU a rolled scan keeps more per layer than modelled (estimate /
-compiled 0.62-0.68 for d_model 64-128, rolled, remat none; 0.83-0.96 unrolled; 1.18 rolled with remat=full).
+iteration recomputes one layer; with the layers unrolled XLA schedules the whole stack at once and remat may save
+nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has the figures).
 
 tests/test_perf.py checks it against `compiled_memory` of the real step on the CPU mesh: the estimate's total against
 argument + temp bytes of the compiled step, within 25%.

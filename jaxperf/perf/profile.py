@@ -155,9 +155,8 @@ def _install() -> None:
     value, item = cls.__dict__.get("_value"), cls.__dict__.get("item")
     if not isinstance(value, property) or not callable(item):
         raise RuntimeError(
-            "audit_host_syncs cannot observe host reads on this jax version (jax.Array has no `_value` property or "
-            f"`item` method to wrap; jax {jax.__version__}): use jax.transfer_guard_device_to_host('disallow') on "
-            "GPU/TPU instead")
+            f"audit_host_syncs cannot wrap jax.Array's `_value`/`item` in jax {jax.__version__}: use "
+            "jax.transfer_guard_device_to_host('disallow') on GPU/TPU instead")
     _originals = {"_value": value, "item": item}
     cls._value = property(_counted(value.fget))
     cls.item = _counted(item)

@@ -365,9 +365,8 @@ class Checkpointer:
                  and tuple(saved[n][2].shape) != tuple(np.shape(leaf))]
         if wrong:
             raise IncompatibleCheckpointError(
-                f"checkpoint {self._step_dir(step)} has arrays of other shapes than the target, so it comes from a "
-                f"model with another configuration: {_diff(wrong, 3)}. Restore with the configuration it was saved "
-                "with (its config.json sits in the run directory), or start a new run directory."
+                f"checkpoint {self._step_dir(step)} is of a model with another configuration: {_diff(wrong, 2)}; use "
+                "the config.json of its run directory, or start a new run directory"
             )
         restore = {}
         for item in _ARRAY_ITEMS:
