@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 from jaxperf.config import ConfigError, TrainConfig, get_config  # noqa: E402
 from jaxperf.models import GPT  # noqa: E402
-from jaxperf.step import Task  # noqa: E402
+from jaxperf.step import Task, build_task  # noqa: E402
 from jaxperf.train import Trainer  # noqa: E402
 
-__all__ = ["ConfigError", "GPT", "Task", "TrainConfig", "Trainer", "get_config", "__version__"]
+__all__ = ["ConfigError", "GPT", "Task", "TrainConfig", "Trainer", "build_task", "get_config", "__version__"]

@@ -67,8 +67,8 @@ def validate_flavour(parallel: ParallelConfig) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}.{hint}")
     supported = FLAVOURS[flavour]
-    # Only the built-in strategy names are judged here; a table registered by the user is checked against the mesh
-    # when the step is built (jaxperf.explicit.flavours.check_flavour), and an unknown name by get_rules.
+    # The rule table itself (a Rules object passed to build_task or the step builders) is checked against the mesh
+    # when the step is built (jaxperf.explicit.flavours.check_flavour).
     if strategy in FLAVOURS["jit"] and strategy not in supported:
         others = [f for f, s in FLAVOURS.items() if strategy in s]
         raise ConfigError(

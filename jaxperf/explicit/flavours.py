@@ -193,8 +193,8 @@ def _check_tensor_split(task: Task) -> None:
 def check_flavour(flavour: str, task: Task) -> None:
     """Raise ConfigError, before anything compiles, when `flavour` cannot run the task's rule table on its mesh.
 
-    shard_map runs a parameter sharded over data-parallel axes only (dp, fsdp); pmap runs replicated parameters only,
-    in one process.
+    shard_map runs parameters sharded over data-parallel axes and `tensor` (dp, fsdp, tp, fsdp_tp); pmap runs
+    replicated parameters only, in one process.
     """
     if flavour not in FLAVOURS:
         raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}")

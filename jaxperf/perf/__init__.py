@@ -1,6 +1,6 @@
 """Performance: timing, FLOP counts for MFU/HFU, the hardware table, roofline, memory, compilation and profiling.
 
-Submodules import lazily heavy dependencies (matplotlib, flatbuffers) only where used.
+matplotlib, an optional dependency (the plot extra), is imported only when a plot is drawn.
 """
 
 from jaxperf.perf.compile import aot_compile, enable_compilation_cache, export_fn, export_forward, load_exported

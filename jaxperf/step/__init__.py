@@ -2,9 +2,11 @@
 
 from jaxperf.step.health import HealthOptions
 from jaxperf.step.optimizer import lr_schedule, make_optimizer
-from jaxperf.step.task import LossFn, Task, TrainState, decay_mask, finish_step, next_token_loss
+from jaxperf.step.task import (
+    LossFn, Task, TrainState, build_task, decay_mask, finish_step, next_token_loss, platform_of,
+)
 
 __all__ = [
-    "HealthOptions", "LossFn", "Task", "TrainState", "decay_mask", "finish_step", "lr_schedule", "make_optimizer",
-    "next_token_loss",
+    "HealthOptions", "LossFn", "Task", "TrainState", "build_task", "decay_mask", "finish_step", "lr_schedule", "make_optimizer",
+    "next_token_loss", "platform_of",
 ]
