@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -129,6 +130,19 @@ def metrics_by_step(run_dir: Path) -> dict[int, dict]:
         if "loss" in r:
             out[r["step"]] = r
     return out
+
+
+def wait_for_steps(run_dir: Path, n: int, proc, timeout: float = 180) -> None:
+    """Wait until `proc` has logged `n` steps to run_dir/metrics.jsonl (failing if it exits or times out)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        f = Path(run_dir) / "metrics.jsonl"
+        if f.exists() and len(f.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no {n} steps logged in {timeout}s")
 
 
 def losses(run_dir: Path) -> dict[int, float]:

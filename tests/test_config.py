@@ -51,7 +51,7 @@ def test_heads_kv_heads_mlp_not_divisible_by_tensor():
         validate(cfg, 8)
     cfg = get_config("tiny", ["style=llama", "n_heads=8", "n_kv_heads=2", "strategy=tp", "fsdp=1", "tensor=4"])
     with pytest.raises(ConfigError, match=r"model.n_kv_heads=2 is not divisible by .*parallel.tensor=4"):
-        validate(cfg, 8)
+        validate(cfg, 4)
     cfg = get_config("tiny", ["n_heads=8", "mlp_dim=100", "strategy=tp", "fsdp=1", "tensor=8"])
     with pytest.raises(ConfigError, match=r"model.mlp_dim=100 is not divisible .*tensor=8"):
         validate(cfg, 8)

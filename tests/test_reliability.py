@@ -13,13 +13,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from helpers import SMALL_RUN, cli_env, finish, metrics_by_step, run_cli, start_pair, start_train
+from helpers import SMALL_RUN, cli_env, finish, metrics_by_step, run_cli, start_pair, start_train, wait_for_steps
 
 from jaxperf.config import get_config
 from jaxperf.train.checkpoint import Checkpointer
@@ -42,18 +40,6 @@ def _start(tmp_path, args, devices=8, **env):
     return start_train(tmp_path, [*RUN, *args], devices, **env)
 
 
-def _wait_for_steps(run_dir: Path, n: int, proc, timeout=180):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        f = run_dir / "metrics.jsonl"
-        if f.exists() and len(f.read_text().splitlines()) >= n:
-            return
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no {n} steps logged in {timeout}s")
-
-
 def _stopped_at(stdout: str) -> int:
     for line in stdout.splitlines():
         if "saved a checkpoint at step" in line:
@@ -67,7 +53,7 @@ def test_sigterm_then_ctrl_c_then_resume_match_an_uninterrupted_run(tmp_path):
     stops = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         proc = _start(tmp_path, ["max_steps=100000", "run_dir=run"])
-        _wait_for_steps(run, (stops[-1] if stops else 0) + 3, proc)
+        wait_for_steps(run, (stops[-1] if stops else 0) + 3, proc)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
@@ -168,7 +154,7 @@ def _start_pair(tmp_path, args):
 @pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_saves_the_same_step_everywhere(tmp_path):
     procs = _start_pair(tmp_path, ["max_steps=100000", "run_dir=run"])
-    _wait_for_steps(tmp_path / "run", 3, procs[0])
+    wait_for_steps(tmp_path / "run", 3, procs[0])
     procs[1].send_signal(signal.SIGTERM)  # the process that does not log: the notice must reach the other
     results = finish(procs)
     for code, out, err in results:

@@ -1,15 +1,23 @@
-"""`jaxperf train [--preset NAME] [key=value ...]`: train a model end to end (jaxperf.train.Trainer)."""
+"""`jaxperf train [--preset NAME] [key=value ...]`: train a model end to end (jaxperf.train.Trainer).
+
+Exit codes: 0 trained (or stopped by a signal after saving), 2 refused before training (a bad setting, a run
+directory that cannot be used as asked, a checkpoint of another model), 3 a checkpoint could not be saved (the run
+stopped at once; the message names the last good step), 4 the run stopped on numerical trouble or bad data.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import jax
 
 from jaxperf.config import ConfigError, get_config
+from jaxperf.data.loader import DataError
 from jaxperf.parallel import distributed
-from jaxperf.train.checkpoint import IncompatibleCheckpointError
+from jaxperf.train.checkpoint import CheckpointPermissionError, CheckpointSaveError, IncompatibleCheckpointError
+from jaxperf.train.rundir import RunDirError
 from jaxperf.train.trainer import Trainer
 
 
@@ -20,20 +28,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _fail(message: str, code: int) -> int:
+    print(f"jaxperf train: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = get_config(args.preset, args.overrides)
         distributed.initialize()  # a no-op unless the environment describes several processes
         trainer = Trainer(cfg)
-    except (ConfigError, ValueError) as e:
-        print(f"jaxperf train: {e}", file=sys.stderr)
-        return 2
+    except (ConfigError, DataError, ValueError) as e:
+        return _fail(str(e), 2)
     try:
         summary = trainer.fit()
     except IncompatibleCheckpointError as e:
-        print(f"jaxperf train: cannot resume: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"cannot resume: {e}", 2)
+    except (RunDirError, CheckpointPermissionError) as e:
+        return _fail(str(e), 2)
+    except CheckpointSaveError as e:
+        # Orbax's writer threads may still hold the failed write: leave without waiting for them.
+        _fail(str(e), 3)
+        sys.stdout.flush()
+        os._exit(3)
+    except (FloatingPointError, DataError) as e:
+        return _fail(str(e), 4)
     if "stopped_at" in summary:
         return 0  # preempted or interrupted: the checkpoint is saved, the next start continues from it
     main_process = jax.process_index() == 0  # every process trains; only the first one reports

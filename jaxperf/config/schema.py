@@ -167,6 +167,7 @@ class TrainConfig:
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
     resume: bool = True  # continue from the newest checkpoint in run_dir
+    start_over: bool = False  # move an earlier run in run_dir to run_dir/previous/<time>/ and start from step 0
     sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)
     sample_prompt: str = "def "
     tensorboard: bool = True  # also write TensorBoard events when tensorboardX is installed
@@ -178,7 +179,7 @@ class TrainConfig:
 
     @property
     def train_seq_len(self) -> int:
-        return self.seq_len or self.model.max_seq_len
+        return self.model.max_seq_len if self.seq_len is None else self.seq_len
 
 
 SECTIONS = ("model", "optim", "parallel", "data")

@@ -7,7 +7,9 @@ import dataclasses
 import difflib
 import math
 
-from jaxperf.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig, choices
+from jaxperf.config.schema import (
+    ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, choices,
+)
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -79,6 +81,7 @@ def validate_flavour(parallel: ParallelConfig) -> None:
 
 def validate_model(m: ModelConfig) -> ModelConfig:
     """Check a model config and return it resolved (style defaults filled in)."""
+    check_ranges(m)
     for f in dataclasses.fields(ModelConfig):
         allowed, value = choices(ModelConfig, f.name), getattr(m, f.name)
         if allowed is not None and value is not None and value not in allowed:
@@ -102,6 +105,7 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
     `shape` is the resolved mesh ({"data": d, "fsdp": f, "tensor": t}), by default `mesh_shape(cfg.parallel, ...)`.
     `model=False` skips the checks of the built-in model's config (for runs that bring their own model).
     """
+    check_ranges(cfg)
     validate_flavour(cfg.parallel)
     if cfg.parallel.overlap_grad_reduce and (cfg.parallel.flavour, cfg.parallel.strategy, cfg.microbatches) != (
             "shard_map", "dp", 1):
@@ -110,6 +114,12 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
             f"microbatches=1, not {cfg.parallel.flavour}, {cfg.parallel.strategy}, {cfg.microbatches}: set those, or "
             f"drop it (under jit XLA schedules the gradient reduction itself)")
     shape = shape or mesh_shape(cfg.parallel, num_devices)
+    used = math.prod(shape[a] for a in MESH_AXES)
+    if used < num_devices:
+        raise ConfigError(
+            f"the mesh data*fsdp*tensor = {'*'.join(str(shape[a]) for a in MESH_AXES)} = {used} uses {used} of the "
+            f"{num_devices} devices, leaving {num_devices - used} idle: set one axis to -1 (the rest of the devices) "
+            f"or make the product {num_devices}")
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
         raise ConfigError(
@@ -139,3 +149,102 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
                 f"model.{name}={value} is not divisible by the tensor-parallel size parallel.tensor={t}: pick a "
                 f"tensor size that divides it (e.g. {math.gcd(value, t)}) or change model.{name}"
             )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Numeric ranges: every number a run takes, checked before anything else happens.
+
+
+def _at_least(n):
+    return lambda v: None if v >= n else f"at least {n}"
+
+
+def _positive(v):
+    return None if v > 0 else "greater than 0"
+
+
+def _fraction(v):  # [0, 1)
+    return None if 0 <= v < 1 else "in [0, 1)"
+
+
+def _unit(v):  # [0, 1]
+    return None if 0 <= v <= 1 else "in [0, 1]"
+
+
+# dotted key -> (check, what the number means). A None value passes where the field allows None.
+RANGES = {
+    "batch_size": (_at_least(1), "sequences per step"),
+    "microbatches": (_at_least(1), "gradient accumulation steps"),
+    "seq_len": (_at_least(1), "tokens per sequence; none = model.max_seq_len"),
+    "max_steps": (_at_least(1), "steps to train to"),
+    "log_every": (_at_least(1), "steps between log lines"),
+    "eval_every": (_at_least(0), "steps between evaluations; 0 = none"),
+    "eval_batches": (_at_least(0), "batches per evaluation"),
+    "checkpoint_every": (_at_least(0), "steps between checkpoints; 0 = only at the end"),
+    "keep_checkpoints": (_at_least(1), "newest checkpoints kept"),
+    "keep_checkpoints_every": (_at_least(0), "also keep multiples of this step; 0 = none"),
+    "sample_tokens": (_at_least(0), "tokens sampled at the end; 0 = none"),
+    "max_consecutive_skips": (_at_least(1), "skipped steps in a row before the run stops"),
+    "spike_sigma": (_at_least(0), "loss-spike threshold in standard deviations; 0 = off"),
+    "spike_window": (_at_least(1), "losses the spike test looks back over"),
+    "model.vocab_size": (_at_least(1), "tokens in the vocabulary"),
+    "model.vocab_multiple": (_at_least(1), "the vocabulary is padded to a multiple of this"),
+    "model.max_seq_len": (_at_least(1), "longest sequence the model takes"),
+    "model.d_model": (_at_least(1), "width of the residual stream"),
+    "model.n_layers": (_at_least(1), "Transformer layers"),
+    "model.n_heads": (_at_least(1), "attention heads"),
+    "model.n_kv_heads": (_at_least(1), "key/value heads; none = n_heads"),
+    "model.head_dim": (_at_least(1), "width of a head; none = d_model / n_heads"),
+    "model.mlp_dim": (_at_least(1), "MLP width; none = the style's default"),
+    "model.scan_unroll": (_at_least(1), "layers per scan iteration"),
+    "model.rope_theta": (_positive, "RoPE base"),
+    "model.norm_eps": (_positive, "norm epsilon"),
+    "model.init_std": (_positive, "initialisation standard deviation"),
+    "optim.lr": (_positive, "peak learning rate"),
+    "optim.min_lr_ratio": (_unit, "final learning rate as a fraction of lr"),
+    "optim.warmup_steps": (_at_least(0), "linear warm-up steps"),
+    "optim.decay_steps": (_at_least(1), "cosine decay horizon; none = max_steps"),
+    "optim.b1": (_fraction, "Adam's first-moment decay"),
+    "optim.b2": (_fraction, "Adam's second-moment decay"),
+    "optim.eps": (_positive, "Adam's epsilon"),
+    "optim.weight_decay": (_at_least(0), "AdamW weight decay"),
+    "optim.grad_clip": (_at_least(0), "global-norm clip; 0 = none"),
+    "parallel.dcn_data": (_at_least(1), "slices of a multi-slice job"),
+    "data.max_bytes": (_at_least(1), "bytes of the corpus used; none = all"),
+    "data.val_fraction": (_fraction, "share of the tokens held out"),
+    "data.prefetch": (_at_least(1), "batches prepared ahead"),
+}
+
+
+def _get(cfg, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _default(key: str):
+    section, _, name = key.rpartition(".")
+    cls = {"": TrainConfig, "model": ModelConfig, "optim": OptimConfig, "parallel": ParallelConfig,
+           "data": DataConfig}[section]
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default
+
+
+def check_ranges(cfg: TrainConfig | ModelConfig) -> None:
+    """ConfigError for the first number out of its range (RANGES), naming the key, the value, the range and an
+    example that works. A ModelConfig alone gets its `model.` ranges checked."""
+    model_only = isinstance(cfg, ModelConfig)
+    for key, (check, meaning) in RANGES.items():
+        if model_only and not key.startswith("model."):
+            continue
+        value = _get(cfg, key.removeprefix("model.") if model_only else key)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            problem = "a finite number"
+        else:
+            problem = check(value)
+        if problem is not None:
+            example = _default(key)
+            hint = f": e.g. {key}={example}" if example is not None and check(example) is None else ""
+            raise ConfigError(f"{key}={value!r} must be {problem} ({meaning}){hint}")

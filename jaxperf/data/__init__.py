@@ -9,13 +9,14 @@ Example:
 """
 
 from jaxperf.data.datasets import datasets_for, tokenizer_for, with_vocab
-from jaxperf.data.loader import Prefetcher, TokenDataset, process_rows, to_global_array
+from jaxperf.data.loader import DataError, Prefetcher, TokenDataset, process_rows, to_global_array
 from jaxperf.data.sources import corpus_texts, load_tokens, source_fingerprint, split_tokens, stdlib_corpus_files
 from jaxperf.data.tokenizer import BPETokenizer, ByteTokenizer, get_tokenizer
 
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "DataError",
     "Prefetcher",
     "TokenDataset",
     "corpus_texts",

@@ -16,6 +16,7 @@ would, whatever the number of processes.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -24,11 +25,16 @@ import jax
 import numpy as np
 
 
+class DataError(RuntimeError):
+    """The data changed or broke under a running job (e.g. a token file truncated); names the file and the fix."""
+
+
 class TokenDataset:
     """Random windows of L + 1 tokens from a flat token array.
 
     Args:
-        tokens: 1-D array of ids (a memmap is fine: only the windows are read).
+        tokens: 1-D array of ids. A memmap of a token file is read window by window with `os.pread`, never through the
+            mapping: a file truncated while a job runs then gives a DataError naming it, not a SIGBUS.
         seq_len: L, the model's sequence length.
         seed: data seed; with the step it fixes every batch.
     """
@@ -48,6 +54,31 @@ class TokenDataset:
         self.tokens = tokens
         self.seq_len = int(seq_len)
         self.seed = int(seed)
+        self._file = None
+        if isinstance(tokens, np.memmap) and getattr(tokens, "filename", None):
+            fd = os.open(tokens.filename, os.O_RDONLY)
+            self._file = (fd, tokens.filename, int(tokens.offset), tokens.dtype, os.fstat(fd).st_size)
+
+    def __del__(self):
+        if getattr(self, "_file", None) is not None:
+            os.close(self._file[0])
+            self._file = None
+
+    def _windows(self, starts_b: np.ndarray) -> np.ndarray:
+        """[b, L + 1] token windows beginning at `starts_b`."""
+        if self._file is None:
+            return np.asarray(self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
+        fd, name, offset, dtype, size = self._file
+        n = (self.seq_len + 1) * dtype.itemsize
+        out = np.empty((len(starts_b), self.seq_len + 1), np.int32)
+        for i, start in enumerate(starts_b):
+            data = os.pread(fd, n, offset + int(start) * dtype.itemsize)
+            if len(data) != n:
+                now = os.fstat(fd).st_size
+                raise DataError(f"token file {name} shrank from {size} to {now} bytes while training (truncated or "
+                                f"replaced?): restore it and start again; the run resumes from its last checkpoint")
+            out[i] = np.frombuffer(data, dtype)
+        return out
 
     def __len__(self) -> int:
         """Number of distinct window start positions."""
@@ -76,7 +107,7 @@ class TokenDataset:
         starts_b = self.starts(step, batch_size)
         if rows is not None:
             starts_b = starts_b[rows]
-        window_bxL1 = np.asarray(self.tokens[starts_b[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
+        window_bxL1 = self._windows(starts_b)
         return {
             "inputs": np.ascontiguousarray(window_bxL1[:, :-1]),
             "targets": np.ascontiguousarray(window_bxL1[:, 1:]),

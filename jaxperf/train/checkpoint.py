@@ -21,9 +21,14 @@ What it adds to Orbax:
 - **Checksums.** Orbax commits atomically but does not notice flipped bits in array data. Every array gets a 64-bit
   checksum at save time (computed on device over the *global* array, so it does not depend on the mesh), stored with the
   metadata and verified after every restore, also onto another mesh. NumPy leaves get a SHA-256 of their bytes.
+- **Metadata checksum.** The metadata (with the checksum table) carries its own SHA-256, so a flipped digit in the data
+  position is caught like a flipped bit in an array.
 - **Fallback.** ``restore_latest`` tries the newest committed step first; a step that fails to read (truncated file,
   missing manifest, garbled metadata) or fails its checksums is reported by step, directory and array or file, moved
-  aside to ``<step>.corrupt`` (never deleted) and the next older step is tried.
+  aside to ``<step>.corrupt`` (never deleted) and the next older step is tried. When none is intact,
+  ``NoIntactCheckpointError``; a step this process may not read is a ``CheckpointPermissionError`` and stays put.
+- **Saves that fail loudly.** ``poll`` (after every step, without waiting) and ``wait`` raise ``CheckpointSaveError``
+  for a save that did not commit, naming the cause and the last good step; ``close`` waits at most a bounded time.
 
 Orbax facts this relies on (0.12.8): saves go to a temporary directory that is renamed on commit; device-to-host
 copies happen before ``save`` returns (buffers may be donated right after), the writes happen in a background thread.
@@ -37,6 +42,9 @@ import hashlib
 import json
 import logging
 import os
+import re
+import sys
+import threading
 import time
 from typing import Any
 
@@ -51,6 +59,8 @@ __all__ = ["Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointErro
 _PARAMS, _STATE, _META = "params", "state", "meta"  # Orbax item names inside each step directory.
 _ARRAY_ITEMS = (_PARAMS, _STATE)
 _CHECKSUMS = "__checksums__"  # key of the checksum table inside the saved metadata
+_META_CHECKSUM = "__meta_checksum__"  # SHA-256 of the rest of the metadata (data position, seed...) and the table
+CLOSE_TIMEOUT_S = 120.0  # longest `close` waits for Orbax's writer threads before giving up on them
 _SCALARS = (bool, int, float, np.generic)
 
 
@@ -63,16 +73,32 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
 
 
 class _DropOrbaxInfo(logging.Filter):
-    """Drops Orbax's INFO/DEBUG chatter (it logs a dozen lines per save through absl); keeps its warnings."""
+    """Drops Orbax's INFO/DEBUG chatter (it logs a dozen lines per save through absl) and the tracebacks its writer
+    threads log for a failed save (the Checkpointer reports that failure itself, in one line); keeps its warnings."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        return record.levelno >= logging.WARNING and not record.exc_info
 
 
 def _quiet_orbax_logging() -> None:
     logger = logging.getLogger("absl")  # absl.logging, which Orbax uses, forwards to this stdlib logger.
     if not any(isinstance(f, _DropOrbaxInfo) for f in logger.filters):
         logger.addFilter(_DropOrbaxInfo())
+    if not getattr(sys.unraisablehook, "_jaxperf", False):
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            # After a failed save, TensorStore completes the other writes of that save and calls back into Orbax's
+            # event loop, which is closed by then: one "Event loop is closed" traceback per write. The failure itself
+            # is reported once, by the Checkpointer.
+            if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+                return
+            previous(unraisable)
+
+        hook._jaxperf = True
+        sys.unraisablehook = hook
 
 
 def _manager_options(keep: int, keep_every: int | None, async_save: bool) -> ocp.CheckpointManagerOptions:
@@ -121,6 +147,11 @@ def _canonical(item: str, stored: str) -> str:
     return stored
 
 
+def _metadata_checksum(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != _META_CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
 def _savable(name: str, leaf: Any) -> Any:
     if isinstance(leaf, jax.Array):
         return leaf
@@ -161,6 +192,51 @@ class CorruptCheckpointError(RuntimeError):
     def __init__(self, step: int, directory: str, reason: str):
         self.step, self.directory, self.reason = step, directory, reason
         super().__init__(f"checkpoint step {step} in {directory} is corrupt: {reason}")
+
+
+class NoIntactCheckpointError(FileNotFoundError):
+    """Checkpoints were written but none of them reads back intact (the corrupt ones are kept as <step>.corrupt)."""
+
+
+class CheckpointPermissionError(PermissionError):
+    """A checkpoint this process may not read: its files are intact, so nothing is moved aside."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that did not commit; names the step, the directory, the cause and the last step that did commit."""
+
+    def __init__(self, step: int, directory: str, reason: str, last_good: int | None):
+        self.step, self.directory, self.reason, self.last_good = step, directory, reason, last_good
+        good = f"step {last_good} is the last good checkpoint" if last_good is not None else "no checkpoint is saved"
+        super().__init__(f"checkpoint step {step} could not be saved in {directory}: {reason}; {good}")
+
+
+_OS_ERROR = re.compile(r"os_error_code='?(\d+)")
+
+
+def _short_reason(e: BaseException, limit: int = 240) -> str:
+    """One readable line for an exception from Orbax or TensorStore: the OS error by name where there is one, else
+    the most specific status message in the exception's chain; JSON specs left out."""
+    chain, seen, x = [], set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        chain.append(x)
+        x = x.__cause__ or x.__context__
+    for x in chain:
+        code = _OS_ERROR.search(str(x))
+        if code:
+            errno_ = int(code.group(1))
+            path = (re.search(r'Failed (?:writing|reading): "([^"]+)"', str(x))
+                    or re.search(r'at local file "([^"]+)"', str(x)))
+            where = f" ({path.group(1)})" if path else ""
+            return f"{os.strerror(errno_)} [errno {errno_}]{where}"[:limit]
+        if isinstance(x, OSError) and x.errno:
+            return f"{x.strerror} [errno {x.errno}]" + (f" ({x.filename})" if x.filename else "")
+    status = [x for x in chain if re.match(r"[A-Z_]{4,}: ", _first_line(x))]
+    x = status[0] if status else e
+    line = _first_line(x, 10 * limit).split(" See full TensorStore")[0]
+    line = re.sub(r"\{.*", "{...}", line) if "{" in line else line
+    return (line if status else f"{type(x).__name__}: {line}")[:limit]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -238,6 +314,9 @@ class Checkpointer:
         )
         self._pending: int | None = None  # step of the last save started, until it is known to be committed
         self._closed = False
+        steps = self._manager.all_steps()
+        self.last_saved: int | None = max(steps) if steps else None  # the newest step known to be committed
+        self._failed: CheckpointSaveError | None = None
 
     def save(self, step: int, state: Any, *, metadata: dict | None = None, force: bool = False) -> bool:
         """Starts saving `state` (a pytree of jax.Arrays, NumPy arrays, scalars) and `metadata` (a JSON-able dict).
@@ -247,6 +326,7 @@ class Checkpointer:
         devices, before anything is written; waits first for the previous save to finish.
         """
         step = int(step)
+        self.wait()  # a failure of the previous save surfaces here, before another one starts
         if step in self._manager.all_steps() or (not force and not self._manager.should_save(step)):
             return False
         flat, _ = _flatten(state)
@@ -255,14 +335,27 @@ class Checkpointer:
         if _CHECKSUMS in meta:
             raise ValueError(f"metadata key {_CHECKSUMS!r} is reserved for the array checksums")
         meta[_CHECKSUMS] = checksums(flat)  # before save() returns: the caller may donate the buffers right after
+        meta[_META_CHECKSUM] = _metadata_checksum(meta)
         by_item = {_PARAMS: {n[len(_PARAMS):]: x for n, x in flat.items() if _item_of(n) == _PARAMS},
                    _STATE: {n: x for n, x in flat.items() if _item_of(n) == _STATE}}
         args = ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree) for item, tree in by_item.items() if tree},
                                   **{_META: ocp.args.JsonSave(meta)})
-        started = self._manager.save(step, args=args, force=True)
+        try:
+            started = self._manager.save(step, args=args, force=True)
+        except Exception as e:  # noqa: BLE001 - the synchronous part: a directory that cannot be made, a full disk
+            raise CheckpointSaveError(step, self.directory, _short_reason(e), self.last_saved) from e
         if started:
             self._pending = step
         return started
+
+    def poll(self) -> int | None:
+        """Without waiting: the step of the last save once it is known to be committed (returned once), else None.
+        Raises CheckpointSaveError when that save failed."""
+        if self._pending is None or self._manager.is_saving_in_progress():
+            return None
+        step = self._pending
+        self.wait()
+        return step
 
     def _committed(self) -> list[int]:
         steps = sorted(self._manager.all_steps())
@@ -305,12 +398,14 @@ class Checkpointer:
 
         A corrupt step is reported (a warning naming the step, directory and reason), moved aside to
         ``<step>.corrupt`` so that a later save of the same step is not refused, and the next older step is tried.
-        Raises FileNotFoundError when there is no step, or none intact (listing why each failed); a ValueError for a
-        checkpoint of another model is raised at once (falling back would not help).
+        Raises FileNotFoundError when there is no step, NoIntactCheckpointError when none is intact (naming the
+        `.corrupt` directories); a checkpoint of another model (IncompatibleCheckpointError) or one this process may
+        not read (CheckpointPermissionError) is raised at once and nothing is moved.
         """
         self.wait()
         failures = []
         for step in reversed(self.all_steps()):
+            self._check_readable(step)
             try:
                 state, meta = self._restore_step(step, target, verify)
             except CorruptCheckpointError as e:
@@ -319,9 +414,37 @@ class Checkpointer:
                 self._quarantine(step)
                 continue
             return state, meta, step
-        if failures:
-            raise FileNotFoundError(f"no intact checkpoint in {self.directory}: " + " | ".join(failures))
+        if failures or self.corrupt_steps():
+            raise NoIntactCheckpointError(
+                f"no intact checkpoint in {self.directory}: {', '.join(self.corrupt_steps())} failed to read back "
+                f"and are kept aside{(' (' + failures[0] + ')') if failures else ''}")
         raise FileNotFoundError(f"no checkpoint to restore in {self.directory}: available steps: []")
+
+    def corrupt_steps(self) -> list[str]:
+        """Names of the step directories moved aside as corrupt (`<step>.corrupt`, `<step>.corrupt.<time>`)."""
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted((n for n in names if ".corrupt" in n), key=lambda n: (int(n.split(".")[0]), n))
+
+    def _check_readable(self, step: int) -> None:
+        """CheckpointPermissionError naming the first file or directory of `step` this process may not read."""
+        root = self._step_dir(step)
+
+        def refuse(path: str):
+            raise CheckpointPermissionError(f"checkpoint step {step}: {path} cannot be read by this user (permission "
+                                            f"denied): fix it with chmod -R u+rX {root}")
+
+        if not os.access(root, os.R_OK | os.X_OK):
+            refuse(root)
+        for here, dirs, files in os.walk(root, onerror=lambda e: refuse(e.filename or root)):
+            for d in dirs:
+                if not os.access(os.path.join(here, d), os.R_OK | os.X_OK):
+                    refuse(os.path.join(here, d))
+            for f in files:
+                if not os.access(os.path.join(here, f), os.R_OK):
+                    refuse(os.path.join(here, f))
 
     def _step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -332,15 +455,17 @@ class Checkpointer:
             metadata = self._manager.item_metadata(step)
         except Exception as e:  # noqa: BLE001 - any failure to read the array index means an unreadable step
             raise CorruptCheckpointError(step, self.directory, f"cannot read the array index in "
-                                         f"{self._step_dir(step)}: {type(e).__name__}: {e}") from e
+                                         f"{self._step_dir(step)}: {_short_reason(e)}") from e
         saved: dict[str, tuple[str, str, Any]] = {}
         for item in _ARRAY_ITEMS:
             try:
                 tree = metadata[item] if item in metadata else None
+                if tree is None and os.path.isdir(os.path.join(self._step_dir(step), item)):
+                    raise FileNotFoundError(f"the array index (_METADATA / manifest) of {item}/ is missing")
                 entries = dict(tree.items()) if tree is not None else {}
             except Exception as e:  # noqa: BLE001
                 raise CorruptCheckpointError(step, self.directory, f"cannot read the array index in "
-                                             f"{self._step_dir(step)}/{item}: {type(e).__name__}: {e}") from e
+                                             f"{self._step_dir(step)}/{item}: {_short_reason(e)}") from e
             saved.update({_canonical(item, name): (item, name, m) for name, m in entries.items()})
         if not saved:
             raise CorruptCheckpointError(step, self.directory, f"{self._step_dir(step)} holds no array index "
@@ -383,10 +508,14 @@ class Checkpointer:
             if not isinstance(meta, dict):
                 raise ValueError(f"metadata is a {type(meta).__name__}, not a dict")
         except Exception as e:  # noqa: BLE001 - truncated files, missing manifests, garbled JSON all end up here
-            raise CorruptCheckpointError(step, where, f"reading {self._step_dir(step)} failed: "
-                                         f"{type(e).__name__}: {_first_line(e)}") from e
+            raise CorruptCheckpointError(step, where, self._read_failure(step, restore, e)) from e
         flat = {_canonical(item, n): x for item in restore for n, x in restored[item].items()}
         meta = dict(meta)
+        meta_sum = meta.pop(_META_CHECKSUM, None)
+        if verify and meta_sum is not None and meta_sum != _metadata_checksum(meta):
+            raise CorruptCheckpointError(step, where, f"the metadata in {self._step_dir(step)}/{_META} (data "
+                                         f"position, seed, array checksums) does not match the checksum written "
+                                         f"with it")
         expected = meta.pop(_CHECKSUMS, None)
         if expected is not None:
             expected = {_canonical(_STATE, n): h for n, h in expected.items()}
@@ -399,6 +528,19 @@ class Checkpointer:
                                              f" does not match the checksum written with it")
         leaves = [_like(flat[name], leaf) for name, leaf in flat_target.items()]
         return jax.tree_util.tree_unflatten(treedef, leaves), meta
+
+    def _read_failure(self, step: int, restore: dict, error: Exception) -> str:
+        """Which array (or metadata file) of a step that failed to read is to blame, and why, in one line."""
+        for item, args in restore.items():
+            for name, abstract in args.item.items():
+                one = {name: abstract}
+                try:
+                    self._manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeRestore(
+                        one, restore_args=ocp.checkpoint_utils.construct_restore_args(one), partial_restore=True)}))
+                except Exception as e:  # noqa: BLE001 - the first array that does not read is the answer
+                    return f"array {_canonical(item, name)} in {self._step_dir(step)}/{item} cannot be read: " \
+                           f"{_short_reason(e)}"
+        return f"reading {self._step_dir(step)} failed: {_short_reason(error)}"
 
     def _quarantine(self, step: int) -> None:
         """Moves a corrupt step aside (kept for inspection) and makes Orbax forget it."""
@@ -417,17 +559,54 @@ class Checkpointer:
         self._manager.reload()
 
     def wait(self) -> None:
-        """Blocks until pending asynchronous saves are committed (and old steps deleted); re-raises their errors."""
-        self._manager.wait_until_finished()
-        self._manager.check_for_errors()
-        self._pending = None
+        """Blocks until pending asynchronous saves are committed (and old steps deleted); a save that failed raises
+        CheckpointSaveError, and so does every later call (the checkpointer cannot be trusted to save again)."""
+        if self._failed is not None:
+            raise self._failed
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:  # noqa: BLE001 - whatever the writer thread hit: EFBIG, EACCES, ENOSPC...
+            self._failed = CheckpointSaveError(step if step is not None else -1, self.directory, _short_reason(e),
+                                               self.last_saved)
+            raise self._failed from e
+        if step is not None:
+            self.last_saved = step
 
-    def close(self) -> None:
-        """Waits for pending saves, then releases Orbax's threads. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            self._manager.close()
-            self._pending = None
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Waits for pending saves (at most `timeout_s`), then releases Orbax's threads. Idempotent.
+
+        Raises CheckpointSaveError when the last save failed or did not finish in time. After a failed save the
+        writer threads are left as they are (their other writes may still be in flight): exit the process."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._failed is not None:
+            raise self._failed
+        outcome: list[BaseException | None] = []
+
+        def run():
+            try:
+                self.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller below
+                outcome.append(e)
+                return
+            try:
+                self._manager.close()
+            except BaseException as e:  # noqa: BLE001
+                outcome.append(e)
+            outcome.append(None)
+
+        worker = threading.Thread(target=run, name="jaxperf-checkpoint-close", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise CheckpointSaveError(self._pending or -1, self.directory, f"the checkpoint writer did not finish "
+                                      f"within {timeout_s:.0f} s", self.last_saved)
+        errors = [e for e in outcome if e is not None]
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> Checkpointer:
         return self

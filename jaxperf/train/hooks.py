@@ -200,18 +200,25 @@ class EvalHook(Hook):
 
 
 class CheckpointHook(Hook):
-    """Every `every` steps (and at the end, and when the run stops early): a checkpoint of the state and data
-    position. `every` = 0 saves only at the end."""
+    """Every `interval` steps (and at the end, and when the run stops early): a checkpoint of the state and data
+    position; `interval` 0 saves only at the end. After every step it checks, without waiting, whether the last save
+    committed: a failed save raises CheckpointSaveError at the next step, which stops the run."""
 
-    def __init__(self, every: int):
-        self.every = every or 0
+    every = 1
+
+    def __init__(self, interval: int):
+        self.interval = interval or 0
 
     def on_step(self, loop, step):
-        if step < loop.max_steps:
+        saved = loop.checkpointer.poll()
+        if saved is not None:
+            loop.log(f"checkpoint step {saved} saved in {loop.checkpointer.directory}")
+        if self.interval and step % self.interval == 0 and step < loop.max_steps:
             loop.save(step)
 
     def on_stop(self, loop, step):
         loop.save(step, force=True)
+        loop.checkpointer.wait()  # confirmed before it is reported
         loop.log(f"{loop.stop_reason}: saved a checkpoint at step {step} in {loop.checkpointer.directory}; run the "
                  "same command again to continue")
 

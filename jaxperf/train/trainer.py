@@ -12,7 +12,6 @@ the device always has the next step queued. Everything else the loop does is a h
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jaxperf.config import TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
@@ -36,8 +36,9 @@ from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hostmem import host_memory
 from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
 from jaxperf.step.task import LossFn, TrainState, build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.train.checkpoint import Checkpointer, NoIntactCheckpointError
 from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
+from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
 
 
 class Trainer:
@@ -119,9 +120,16 @@ class Trainer:
 
     def init_or_restore(self, checkpointer) -> tuple[TrainState, int]:
         """The newest intact checkpoint (read straight into this run's shardings, whatever mesh wrote it), or a
-        fresh state. A corrupt newest checkpoint is reported and the one before it is used."""
+        fresh state. A corrupt newest checkpoint is reported and the one before it is used; when checkpoints were
+        written but none is intact, RunDirError (never a silent start from step 0)."""
+        if checkpointer is not None and self.cfg.resume and checkpointer.latest_step() is None \
+                and checkpointer.corrupt_steps():
+            raise RunDirError(_no_intact(checkpointer))
         if checkpointer is not None and self.cfg.resume and checkpointer.latest_step() is not None:
-            state, meta, _ = checkpointer.restore_latest(self.task.abstract_state())
+            try:
+                state, meta, _ = checkpointer.restore_latest(self.task.abstract_state())
+            except NoIntactCheckpointError:
+                raise RunDirError(_no_intact(checkpointer)) from None
             start = int(meta.get("data_step", int(jax.device_get(state.step))))
             saved_seed = meta.get("seed", self.cfg.seed)
             if saved_seed != self.cfg.seed:
@@ -157,18 +165,44 @@ class Trainer:
                              evaluate=self.val_data is not None) + self.extra_hooks
 
     def fit(self, state: TrainState | None = None) -> dict[str, Any]:
-        """Train to cfg.max_steps; returns a summary (final loss, losses per step, tokens/s, MFU, state)."""
+        """Train to cfg.max_steps; returns a summary (final loss, losses per step, tokens/s, MFU, state).
+
+        The run directory is locked for the whole call (jaxperf.train.rundir): a second run on it is refused. Raises
+        RunDirError for a run directory that cannot be used as asked, CheckpointSaveError when a save fails (the run
+        stops at once; the last good step is named)."""
         cfg = self.cfg
         if cfg.compile_cache_dir:  # only programs that take a while to compile: small helpers cost more than they save
             enable_compilation_cache(cfg.compile_cache_dir, min_compile_time_s=1.0)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if jax.process_index() == 0:
-            (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        run = RunDir(self.run_dir, lock=jax.process_index() == 0)
+        _on_first_process(run.acquire, "the run directory")
+        try:
+            return self._fit(run, state)
+        finally:
+            run.release()
+
+    def _fit(self, run: RunDir, state: TrainState | None) -> dict[str, Any]:
+        cfg = self.cfg
+        if cfg.start_over:
+            moved = _on_first_process(run.start_over, "moving the earlier run aside")
+            if moved is not None:
+                log(f"start_over: the earlier run in {self.run_dir} is now in {moved}")
+        elif not cfg.resume and _on_first_process(run.has_run, "the run directory", share_bool=True):
+            raise RunDirError(f"run_dir {self.run_dir} already holds a run and resume=false: resume it (resume=true), "
+                              f"use another run_dir, or set start_over=true to move it to {self.run_dir}/previous/")
         ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints,
                             keep_every=cfg.keep_checkpoints_every or None)
-        start = 0
-        if state is None:
-            state, start = self.init_or_restore(ckpt)
+        try:
+            start = 0
+            if state is None:
+                state, start = self.init_or_restore(ckpt)
+            changes = _on_first_process(lambda: run.record_config(to_dict(cfg), start), "writing config.json")
+            if changes:
+                shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:4])
+                more = f" (+{len(changes) - 4} more)" if len(changes) > 4 else ""
+                log(f"settings changed at step {start}: {shown}{more}; recorded in {run.path / HISTORY_NAME}")
+        except BaseException:
+            _close_quietly(ckpt)
+            raise
         self.report_startup(state)
         if start >= cfg.max_steps:
             log(f"the run in {self.run_dir} is already at step {start} >= max_steps={cfg.max_steps}: nothing to train")
@@ -176,8 +210,12 @@ class Trainer:
         loop = Loop(self, train_step, train_step.to_step(state), start, ckpt)
         try:
             loop.run(self.hooks())
+        except BaseException:
+            _close_quietly(ckpt)
+            raise
+        else:
+            ckpt.close()  # every save confirmed (or CheckpointSaveError) before the run reports anything saved
         finally:
-            ckpt.close()
             loop.writer.close()
         summary = loop.summary
         summary.update(state=loop.usual_state(), losses=loop.losses,
@@ -326,6 +364,41 @@ class Loop:
         finally:
             for hook in hooks:
                 hook.close()
+
+
+def _no_intact(checkpointer: Checkpointer) -> str:
+    corrupt = ", ".join(checkpointer.corrupt_steps()) or "every step"
+    return (f"no intact checkpoint in {checkpointer.directory} ({corrupt} failed their checks and are kept aside): "
+            f"set start_over=true to train from step 0 (they stay, moved with the run), or restore a backup")
+
+
+def _on_first_process(fn: Callable[[], Any], what: str, *, share_bool: bool = False) -> Any:
+    """Run `fn` on process 0 only and wait for it everywhere; raises on every process when it failed there. The
+    result is process 0's (None elsewhere), or with `share_bool` a bool every process gets."""
+    if jax.process_count() == 1:
+        return fn()
+    error, result = None, None
+    if jax.process_index() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported on process 0, agreed on by all below
+            error = e
+    failed = multihost_utils.process_allgather(np.asarray(error is not None))
+    if error is not None:
+        raise error
+    if bool(np.any(failed)):
+        raise RunDirError(f"process 0 stopped the run while {what}: its output says why")
+    if share_bool:
+        return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(result), np.int32)))
+    return result
+
+
+def _close_quietly(ckpt: Checkpointer) -> None:
+    """Close the checkpointer while another error is on its way out (that error says more: this one is dropped)."""
+    try:
+        ckpt.close()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def flops_per_token_of(cfg: TrainConfig) -> float:
