@@ -28,7 +28,7 @@ from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hardware import peak_flops as _peak
 from jaxperf.perf.hostmem import host_memory
-from jaxperf.step.task import build_task
+from jaxperf.step.task import build_task, step_microbatches
 
 
 def context() -> dict[str, Any]:
@@ -122,9 +122,9 @@ def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *,
     validate(cfg, jax.device_count())
     task = build_task(cfg, make_mesh(cfg.parallel))
     if cfg.parallel.flavour == "jit":  # the jitted function itself, so callers can lower and compile it
-        step, state = task.train_step(microbatches=cfg.microbatches, donate=donate), task.init_state()
+        step, state = task.train_step(microbatches=step_microbatches(cfg), donate=donate), task.init_state()
     else:
-        step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=cfg.microbatches,
+        step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=step_microbatches(cfg),
                                 donate=donate, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
         state = step.to_step(task.init_state())
     B, L = cfg.batch_size, cfg.train_seq_len

@@ -6,7 +6,12 @@
 
 Every supported (flavour, strategy) pair is built from the same preset on the same devices: jit with dp, fsdp, tp and
 fsdp_tp (tensor = 2 where the heads divide), shard_map with the same four and dp with each layer's gradients reduced
-inside the backward (`dp+overlap`), pmap with dp. Before timing, the first step's
+inside the backward (`dp+overlap`), pmap with dp; then the pipeline, context and sequence-parallel axes under jit
+(on 4 or more devices, for models whose layers split in two): stage=2 x tensor=2 with 1F1B and GPipe over 8
+microbatches, seq=2 (zigzag ring),
+tensor=2 with sequence parallelism, and stage=2 x seq=2 x fsdp. Each pipeline record carries its compiled step's
+temporary bytes per device (`temp_bytes`), and two `memory/...` records set 1F1B against GPipe at the same
+microbatches. Before timing, the first step's
 loss of each pair is checked against the jit dp step on the same batch (all start from the same parameters), so a pair
 that computes something else is refused, not timed. Value: tokens/s (median over the timed steps, each blocked on),
 with the step time and MFU (tokens/s x FLOPs/token over devices x per-device peak) as % of peak. With one device every
@@ -32,8 +37,8 @@ OVERLAP = "parallel.overlap_grad_reduce=true"
 TAKES_OUT = True  # jaxperf bench passes its --out folder for the PNG
 
 
-def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
-    """(flavour, strategy, mesh overrides) for every pair that runs on n devices."""
+def pairs(n_devices: int, n_heads: int, n_layers: int = 2) -> list[tuple[str, str, str, list[str]]]:
+    """(name, flavour, strategy, mesh overrides) for every combination that runs on n devices."""
     tensor = max(t for t in (1, 2, 4, 8) if n_devices % t == 0 and n_heads % t == 0)
     out = []
     for flavour in ("jit", "shard_map"):
@@ -43,7 +48,17 @@ def pairs(n_devices: int, n_heads: int) -> list[tuple[str, str, list[str]]]:
             out.append((flavour, "fsdp_tp", ["tensor=2", "fsdp=-1"]))
     # shard_map dp again, each layer's gradients all-reduced inside the backward pass
     out.append(("shard_map", "dp", ["data=-1", "fsdp=1", OVERLAP]))
-    return out + [("pmap", "dp", ["data=-1", "fsdp=1"])]
+    out.append(("pmap", "dp", ["data=-1", "fsdp=1"]))
+    named = [(f"{f}/{s}" + ("+overlap" if OVERLAP in m else ""), f, s, m) for f, s, m in out]
+    if n_devices % 4 == 0 and n_layers % 2 == 0 and n_heads % 2 == 0:
+        # 8 microbatches over 2 stages: 1F1B stashes 2 x 2 stage inputs, GPipe all 8
+        pipe = ["stage=2", "microbatches=8", "tensor=2", "data=-1", "fsdp=1"]
+        named += [("jit/stage2-1f1b", "jit", "tp", [*pipe, "parallel.schedule=1f1b"]),
+                  ("jit/stage2-gpipe", "jit", "tp", [*pipe, "parallel.schedule=gpipe"]),
+                  ("jit/seq2", "jit", "dp", ["seq=2", "data=-1", "fsdp=1"]),
+                  ("jit/tp+sp", "jit", "tp", ["tensor=2", "data=-1", "fsdp=1", "parallel.sequence_parallel=true"]),
+                  ("jit/stage2+seq2+fsdp", "jit", "fsdp", ["stage=2", "seq=2", "fsdp=-1", "microbatches=2"])]
+    return named
 
 
 def plot(records: list[dict], path: Path) -> str | None:
@@ -89,8 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     base = get_config(a.preset, overrides)
     records, reference = [], None
-    for flavour, strategy, mesh in pairs(n, base.model.n_heads):
-        name = f"{flavour}/{strategy}" + ("+overlap" if OVERLAP in mesh else "")
+    for name, flavour, strategy, mesh in pairs(n, base.model.n_heads, base.model.n_layers):
         try:
             step, state, batch, cfg = make_train_step(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
                                                                  f"parallel.flavour={flavour}"])
@@ -101,6 +115,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if reference is None:
                 reference = loss
             check_close(name, np.float32(loss), np.float32(reference), rtol=1e-4, atol=1e-5)
+            temp = None
+            if cfg.parallel.stage > 1:  # the pipeline schedule's memory, from the compiled step
+                temp = int(step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes)
             times = []
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -120,11 +137,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
             step_s=dt, step_s_p10=float(np.percentile(times, 10)), step_s_p90=float(np.percentile(times, 90)),
             first_step_s=first_s, loss=loss, flavour=flavour, strategy=strategy, mesh=mesh_shape,
             batch=cfg.batch_size, seq_len=cfg.train_seq_len, steps=steps, peak_source=src, preset=a.preset,
-            tiny=a.tiny)))
+            tiny=a.tiny, microbatches=cfg.microbatches, temp_bytes=temp)))
+    records += memory_records(records)
     png = plot(records, Path(a.out) / "parallel.png")
     if png:
         print(f"wrote {png}", file=sys.stderr)
     return records
+
+
+def memory_records(records: list[dict]) -> list[dict]:
+    """1F1B against GPipe: the compiled step's temporary bytes per device at the same stages and microbatches."""
+    by_name = {r["name"]: r for r in records if r.get("temp_bytes")}
+    pair = by_name.get("jit/stage2-1f1b"), by_name.get("jit/stage2-gpipe")
+    if None in pair:
+        return []
+    ratio = pair[0]["temp_bytes"] / pair[1]["temp_bytes"]
+    return [emit(record(NAME, f"memory/stage2-{r['parallel_schedule']}", float(r["temp_bytes"]), "bytes",
+                        microbatches=r["microbatches"], stages=2, ratio_1f1b_to_gpipe=ratio, preset=r["preset"],
+                        tiny=r["tiny"]))
+            for r in ({**pair[0], "parallel_schedule": "1f1b"}, {**pair[1], "parallel_schedule": "gpipe"})]
 
 
 def step_mesh(cfg) -> dict[str, int]:

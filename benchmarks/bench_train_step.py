@@ -27,7 +27,7 @@ from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import peak_flops
 from jaxperf.perf.hostmem import reexec_with_huge_pages
-from jaxperf.step.task import build_task
+from jaxperf.step.task import build_task, step_microbatches
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = make_mesh(cfg.parallel)
     task = build_task(cfg, mesh)
     state = task.init_state()
-    step = task.train_step(microbatches=cfg.microbatches)
+    step = task.train_step(microbatches=step_microbatches(cfg))
 
     B, L = cfg.batch_size, cfg.train_seq_len
     rng = np.random.default_rng(0)

@@ -40,6 +40,18 @@ def set_mesh(mesh: Mesh):
     return mesh  # pragma: no cover - older jax: `with mesh:`
 
 
+def context_mesh(mesh: Mesh):
+    """The mesh to name shardings with while tracing: inside a region where some mesh axes are manual (a shard_map
+    over part of the mesh, such as a pipeline stage) the context's abstract mesh, else `mesh`."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    ctx = get() if get is not None else None
+    if ctx is None or getattr(ctx, "empty", True) or AxisType is None:
+        return mesh
+    if any(t == AxisType.Manual for t in getattr(ctx, "axis_types", ())) and tuple(ctx.shape) == tuple(mesh.shape):
+        return ctx
+    return mesh
+
+
 def variable_logical_axes(variable) -> tuple[str | None, ...] | None:
     """The logical axis names a Flax NNX Variable was annotated with (`nnx.with_partitioning`), or None."""
     meta = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
@@ -64,10 +76,12 @@ def variable_value(variable):
     return variable.value  # pragma: no cover
 
 
-def shard_map(f, *, mesh: Mesh, in_specs, out_specs, check_vma: bool = True):
-    """`jax.shard_map` (jax >= 0.7); the experimental one with `check_rep` before that."""
+def shard_map(f, *, mesh: Mesh, in_specs, out_specs, check_vma: bool = True, axis_names=None):
+    """`jax.shard_map` (jax >= 0.7); the experimental one with `check_rep` before that. `axis_names` makes only those
+    mesh axes manual (the others stay with the automatic partitioner)."""
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+        kwargs = {"axis_names": set(axis_names)} if axis_names is not None else {}
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **kwargs)
     from jax.experimental.shard_map import shard_map as _sm  # pragma: no cover
 
     return _sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)  # pragma: no cover

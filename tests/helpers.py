@@ -31,10 +31,12 @@ SMALL_RUN = [
 
 
 def make_task(model: ModelConfig, parallel: ParallelConfig = ParallelConfig(), *, optim: OptimConfig = OptimConfig(),
-              steps: int = 10, devices=None, seed: int = 0, **kw) -> Task:
+              steps: int = 10, devices=None, seed: int = 0, microbatches: int = 1, **kw) -> Task:
     """The Task `jaxperf train` would build for this model, mesh and optimizer (`build_task`); `devices` picks the
-    simulated devices of the mesh (default all 8); `**kw` goes to build_task (make_model, loss_fn, tx)."""
-    cfg = TrainConfig(model=model, optim=optim, parallel=parallel, max_steps=steps, seed=seed)
+    simulated devices of the mesh (default all 8); `microbatches` are the pipeline's when parallel.stage > 1; `**kw`
+    goes to build_task (make_model, loss_fn, tx)."""
+    cfg = TrainConfig(model=model, optim=optim, parallel=parallel, max_steps=steps, seed=seed,
+                      microbatches=microbatches)
     return build_task(cfg, make_mesh(parallel, devices), **kw)
 
 

@@ -133,12 +133,19 @@ def test_collectives_tiny_checks_then_times_every_algorithm(tmp_path):
 def test_parallel_tiny_times_every_flavour_and_strategy(tmp_path):
     recs = load("parallel").main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
     pairs = ["jit/dp", "jit/fsdp", "jit/tp", "jit/fsdp_tp", "shard_map/dp", "shard_map/fsdp", "shard_map/tp",
-             "shard_map/fsdp_tp", "shard_map/dp+overlap", "pmap/dp"]
+             "shard_map/fsdp_tp", "shard_map/dp+overlap", "pmap/dp", "jit/stage2-1f1b", "jit/stage2-gpipe", "jit/seq2",
+             "jit/tp+sp", "jit/stage2+seq2+fsdp", "memory/stage2-1f1b", "memory/stage2-gpipe"]
     check_records(recs, "parallel", pairs)
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     by_name = {r["name"]: r for r in recs}
-    assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
-    assert by_name["jit/tp"]["mesh"] == by_name["shard_map/tp"]["mesh"] == {"data": 2, "fsdp": 1, "tensor": 4}
+    assert by_name["jit/stage2+seq2+fsdp"]["mesh"] == {"data": 1, "stage": 2, "fsdp": 2, "seq": 2, "tensor": 1}
+    one_f_one_b, gpipe = by_name["memory/stage2-1f1b"], by_name["memory/stage2-gpipe"]
+    assert 0 < one_f_one_b["value"] < gpipe["value"] and one_f_one_b["ratio_1f1b_to_gpipe"] < 1
+    assert one_f_one_b["value"] == by_name["jit/stage2-1f1b"]["temp_bytes"]
+    recs = [r for r in recs if r["unit"] == "tokens/s"]
+    assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 2}
+    assert by_name["jit/tp"]["mesh"] == by_name["shard_map/tp"]["mesh"] == \
+        {"data": 2, "stage": 1, "fsdp": 1, "seq": 1, "tensor": 4}
     losses = {r["loss"] for r in recs}
     assert max(losses) - min(losses) < 1e-3 * max(losses)  # the same first step, however it is written
     for r in recs:

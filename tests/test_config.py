@@ -58,11 +58,13 @@ def test_heads_kv_heads_mlp_not_divisible_by_tensor():
 
 
 def test_mesh_larger_than_devices():
-    with pytest.raises(ConfigError, match=r"2\*4\*2 = 16 is larger than the 8 available devices"):
+    with pytest.raises(ConfigError, match=r"data\*stage\*fsdp\*seq\*tensor = 2\*1\*4\*1\*2 = 16 is larger than the 8 "
+                                          r"available devices"):
         mesh_shape(ParallelConfig(data=2, fsdp=4, tensor=2), 8)
     with pytest.raises(ConfigError, match="does not divide the 8 devices"):
         mesh_shape(ParallelConfig(data=3, fsdp=-1), 8)
-    assert mesh_shape(ParallelConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh_shape(ParallelConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "stage": 1, "fsdp": 2, "seq": 1,
+                                                                        "tensor": 2}
 
 
 def test_seq_len_above_model_max():

@@ -124,7 +124,9 @@ def _host(tree):
     (("8", []), ("4", [])),
     (("4", []), ("8", [])),
     (("8", []), ("8", ["parallel.data=2", "parallel.fsdp=4"])),
-], ids=["8to4", "4to8", "1dto2d"])
+    (("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]), ("8", ["model.n_layers=2"])),
+    (("8", ["model.n_layers=2"]), ("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"])),
+], ids=["8to4", "4to8", "1dto2d", "stage2_to_fsdp", "fsdp_to_stage2"])
 def test_resume_onto_another_mesh_is_bitwise_and_trains_on(tmp_path, first, second):
     devices = lambda n: jax.devices()[: int(n)]  # noqa: E731
     t1 = _trainer(tmp_path, devices(first[0]), "max_steps=3", *first[1])
@@ -139,6 +141,8 @@ def test_resume_onto_another_mesh_is_bitwise_and_trains_on(tmp_path, first, seco
         np.testing.assert_array_equal(got, want, strict=True)
     for leaf in jax.tree.leaves(state.params):
         assert leaf.sharding.mesh.devices.size == int(second[0])
+    layers = state.params["blocks"]["attn"]["wq_DxHxDh"].addressable_shards[0].data.shape[0]
+    assert layers == (1 if "parallel.stage=2" in second[1] else state.params["blocks"]["attn"]["wq_DxHxDh"].shape[0])
     s2 = t2.fit()
     assert sorted(s2["losses"]) == [3, 4] and all(np.isfinite(v) for v in s2["losses"].values())
     # The same steps on the first mesh, for comparison: equal up to the reduction order of another mesh.

@@ -8,7 +8,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxperf import _compat
 from jaxperf.models.attention import attention, xla_attention
-from jaxperf.parallel.ring_attention import ring_attention, ring_attention_sharded
+from jaxperf.parallel.ring_attention import ring_attention, ring_attention_sharded, zigzag_order
 
 B, L, H, Dh = 2, 16, 4, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -112,3 +112,39 @@ def test_registry_ring_uses_ambient_seq_axis():
     with _compat.set_mesh(_compat.make_mesh((8,), ("data",))):
         with pytest.raises(RuntimeError, match=r"found \('data',\)"):
             attention(q, k, v, impl="ring")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_zigzag_matches_xla_with_gqa_and_segment_ids(n):
+    """The zigzag layout on tokens put in `zigzag_order`: equal to xla_attention on those tokens at their global
+    positions (computed there by permuting back)."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+    q, k, v, w = _qkv(kv_heads=2)
+    seg_BxL = jnp.stack([jnp.repeat(jnp.array([0, 1, 2]), jnp.array([3, 9, 4])), jnp.ones(L, jnp.int32)])
+    order = zigzag_order(L, n)
+    assert sorted(order.tolist()) == list(range(L)) and order.tolist() != list(range(L))
+    z = lambda a: jnp.take(a, order, axis=1)  # noqa: E731
+    got = _out_and_grads(lambda q, k, v: ring_attention_sharded(q, k, v, mesh, segment_ids=z(seg_BxL),
+                                                                layout="zigzag"))(z(q), z(k), z(v), z(w))
+    out_ref, grads_ref = _out_and_grads(lambda q, k, v: xla_attention(q, k, v, segment_ids=seg_BxL))(q, k, v, w)
+    _assert_same(got, (z(out_ref), tuple(z(g) for g in grads_ref)))
+
+
+def _work(layout: str, n: int) -> np.ndarray:
+    """(query chunk, key chunk) pairs each ring position computes under a causal mask."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("seq",))
+    q, k, v, _ = _qkv(kv_heads=2)
+    f = _compat.shard_map(lambda q, k, v: ring_attention(q, k, v, "seq", layout=layout, return_work=True)[1][None],
+                          mesh=mesh, in_specs=(P(None, "seq"),) * 3, out_specs=P("seq"))
+    return np.asarray(jax.jit(f)(q, k, v))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_gives_every_device_the_same_causal_work(n):
+    """Counted, not timed. A pair is one chunk of L / 2n queries against one of L / 2n keys (zigzag); contiguous
+    blocks are L / n long, i.e. 4 such pairs each."""
+    zigzag = _work("zigzag", n)
+    assert zigzag.max() - zigzag.min() <= 1, zigzag  # within one block of equal (here: exactly equal)
+    assert zigzag.sum() == (2 * n) * (2 * n + 1) // 2  # every causal pair once
+    contiguous = _work("contiguous", n)
+    np.testing.assert_array_equal(contiguous, np.arange(1, n + 1))  # device i sees i + 1 blocks: uneven

@@ -34,6 +34,8 @@ Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
 Tokenizer = Literal["byte", "bpe"]
 LossScale = Literal["auto", "dynamic", "none"]
+PipelineSchedule = Literal["gpipe", "1f1b"]
+ContextLayout = Literal["zigzag", "contiguous"]
 
 
 @dataclass(frozen=True)
@@ -116,12 +118,20 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh (axes data x fsdp x tensor; -1 = the rest of the devices) and the sharding strategy."""
+    """The device mesh (axes data x stage x fsdp x seq x tensor; one may be -1 = the rest of the devices) and the
+    sharding strategy. `stage` and `seq` work with every strategy (jaxperf.parallel.rules adds their mappings)."""
 
-    strategy: Strategy = "fsdp"  # rule table (jaxperf.parallel.rules)
-    data: int = 1
-    fsdp: int = -1
-    tensor: int = 1
+    strategy: Strategy = "fsdp"  # rule table for weights and activations (jaxperf.parallel.rules)
+    data: int = 1  # data parallel: whole replicas
+    fsdp: int = -1  # fully sharded data parallel (ZeRO-3): weights split along `embed`
+    tensor: int = 1  # tensor parallel (Megatron): heads and MLP columns split
+    stage: int = 1  # pipeline parallel: the layers split into this many stages
+    seq: int = 1  # context parallel: the sequence split, attention as a ring over this axis
+    schedule: PipelineSchedule = "1f1b"  # pipeline schedule when stage > 1 (microbatches = TrainConfig.microbatches)
+    context_layout: ContextLayout = "zigzag"  # seq > 1: zigzag balances causal work; contiguous keeps token order
+    # tensor > 1: also split the activations between layers along the sequence over `tensor` (Megatron-SP), with
+    # the all-gather / reduce-scatter overlapped with the matmuls (collective matmuls)
+    sequence_parallel: bool = False
     # Slices of a multi-slice TPU job (or any groups of devices joined by a slower network, DCN): the `data` axis
     # spans them, so only the gradient all-reduce crosses DCN; data/fsdp/tensor above describe one slice.
     dcn_data: int = 1

@@ -11,7 +11,9 @@ from jaxperf.config.schema import (
     ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, choices,
 )
 
-MESH_AXES = ("data", "fsdp", "tensor")
+# Slowest-varying first: `data` spans slices and hosts, `tensor` the closest devices (its collectives are the most
+# frequent); `stage` sends activations point to point, `seq` rotates key/value blocks around a ring.
+MESH_AXES = ("data", "stage", "fsdp", "seq", "tensor")
 
 
 def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
@@ -47,7 +49,7 @@ def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
     total = math.prod(sizes.values())
     if total > num_devices:
         raise ConfigError(
-            f"the mesh data*fsdp*tensor = {sizes['data']}*{sizes['fsdp']}*{sizes['tensor']} = {total} is larger than "
+            f"the mesh {'*'.join(MESH_AXES)} = {'*'.join(str(sizes[a]) for a in MESH_AXES)} = {total} is larger than "
             f"the {num_devices} available devices: make the product at most {num_devices} (e.g. set one axis to -1)"
         )
     return sizes
@@ -99,6 +101,29 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     return r
 
 
+def _validate_stage_seq(cfg: TrainConfig, shape: dict[str, int]) -> None:
+    """The pipeline and context-parallel settings that do not depend on the model."""
+    stage = shape["stage"]
+    if stage > 1:
+        if cfg.parallel.flavour != "jit":
+            raise ConfigError(f"parallel.stage={stage} runs with parallel.flavour=jit, not {cfg.parallel.flavour}")
+        if cfg.microbatches < stage:
+            raise ConfigError(f"microbatches={cfg.microbatches} is fewer than the parallel.stage={stage} pipeline "
+                              f"stages: use microbatches >= {stage} (e.g. {2 * stage}; more shrink the bubble)")
+    if shape["seq"] > 1 and cfg.parallel.flavour != "jit":
+        raise ConfigError(f"parallel.seq={shape['seq']} runs with parallel.flavour=jit, not {cfg.parallel.flavour}")
+    if cfg.parallel.sequence_parallel:
+        if shape["tensor"] < 2:
+            raise ConfigError("parallel.sequence_parallel splits activations over `tensor`: set parallel.tensor > 1 "
+                              "(with strategy tp or fsdp_tp)")
+        if cfg.parallel.flavour != "jit":
+            raise ConfigError(f"parallel.sequence_parallel runs with parallel.flavour=jit, not "
+                              f"{cfg.parallel.flavour}")
+        if shape["seq"] > 1:
+            raise ConfigError(f"parallel.sequence_parallel and parallel.seq={shape['seq']} both split the sequence: "
+                              f"use one of them")
+
+
 def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = None, *, model: bool = True):
     """Raise ConfigError for a run that cannot work, before compiling anything.
 
@@ -117,8 +142,8 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
     used = math.prod(shape[a] for a in MESH_AXES)
     if used < num_devices:
         raise ConfigError(
-            f"the mesh data*fsdp*tensor = {'*'.join(str(shape[a]) for a in MESH_AXES)} = {used} uses {used} of the "
-            f"{num_devices} devices, leaving {num_devices - used} idle: set one axis to -1 (the rest of the devices) "
+            f"the mesh {'*'.join(MESH_AXES)} = {'*'.join(str(shape[a]) for a in MESH_AXES)} = {used} uses {used} of "
+            f"the {num_devices} devices, leaving {num_devices - used} idle: set one axis to -1 (the rest of the devices) "
             f"or make the product {num_devices}")
     dp = shape["data"] * shape["fsdp"]
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
@@ -133,6 +158,7 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
             f"data-parallel size data*fsdp={shape['data']}*{shape['fsdp']}={dp}: use batch_size="
             f"{cfg.microbatches * dp * max(1, round(micro / dp))} or change the mesh"
         )
+    _validate_stage_seq(cfg, shape)
     if not model:
         return
     m = validate_model(cfg.model)
@@ -142,6 +168,27 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
             f"seq_len={seq} is above the model's maximum model.max_seq_len={m.max_seq_len}: lower seq_len or raise "
             f"model.max_seq_len"
         )
+    if shape["stage"] > 1:
+        if m.n_layers % shape["stage"]:
+            ok = [s for s in range(1, m.n_layers + 1) if m.n_layers % s == 0]
+            raise ConfigError(f"model.n_layers={m.n_layers} does not split over parallel.stage={shape['stage']} "
+                              f"pipeline stages: use stage in {ok} or a layer count that is a multiple of "
+                              f"{shape['stage']}")
+        if not m.scan_layers:
+            raise ConfigError("parallel.stage > 1 needs model.scan_layers=true (the pipeline splits the stacked "
+                              "layers over the stages)")
+    if shape["seq"] > 1:
+        parts = shape["seq"] * (2 if cfg.parallel.context_layout == "zigzag" else 1)
+        if seq % parts:
+            raise ConfigError(f"seq_len={seq} does not split into {parts} equal chunks (parallel.seq={shape['seq']}"
+                              f"{' x 2 for the zigzag layout' if parts > shape['seq'] else ''}): use a seq_len that is "
+                              f"a multiple of {parts}")
+        if m.attention_impl not in ("auto", "ring"):
+            raise ConfigError(f"parallel.seq={shape['seq']} splits the sequence: attention must run as a ring "
+                              f"(model.attention_impl=auto or ring), not {m.attention_impl!r}")
+    if cfg.parallel.sequence_parallel and seq % (shape["tensor"] * shape["seq"]):
+        raise ConfigError(f"parallel.sequence_parallel splits seq_len={seq} over tensor={shape['tensor']} (and seq="
+                          f"{shape['seq']}): use a seq_len that is a multiple of {shape['tensor'] * shape['seq']}")
     t = shape["tensor"]
     for name, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("mlp_dim", m.mlp_dim)):
         if value % t:

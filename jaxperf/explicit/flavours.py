@@ -455,7 +455,6 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
     check_flavour("shard_map", task)
     mesh, axes = task.mesh, data_axes(task)
     vary_all = lambda tree: jax.tree.map(lambda x: _cast_varying(x, axes), tree)  # noqa: E731
-    state_shardings = task.state_shardings()
     body_specs, data_specs = _body_specs(task)  # the block each device holds; its data-parallel part
     batch_spec = _batch_spec(axes)
     tensor_parallel = any(TENSOR_AXIS in _spec_axes(spec) for spec in jax.tree.leaves(body_specs))
@@ -465,6 +464,7 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
         raise ConfigError(
             f"parallel.overlap_grad_reduce runs with strategy dp and one microbatch, not strategy "
             f"{task.rules.name!r} with microbatches={microbatches}: set strategy=dp microbatches=1, or drop it")
+    state_shardings = task.state_shardings()  # after the checks: it evaluates the optimizer's init
     if not sharded and overlap_grad_reduce:
         # A layer's gradient is summed inside the backward, so in the replication check's terms the parameters' own
         # gradients would have to change type from per-device to replicated half-way through autodiff; the check

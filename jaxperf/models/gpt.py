@@ -75,19 +75,23 @@ class GPT(nnx.Module):
                                impl=cfg.norm_impl)
         self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
 
+    def embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """Token embeddings plus learned positions (when the style has them): [B, L, D] in the compute dtype."""
+        dt = jnp.dtype(self.cfg.dtype)
+        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(dt)
+        if self.pos_LxD is not None:
+            x_BxLxD = x_BxLxD + jnp.take(self.pos_LxD[...], positions_BxL, axis=0).astype(dt)
+        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
+
     def hidden(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
         """Final-norm hidden states [B, L, D] in the compute dtype (for fused losses that skip the logits)."""
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
         B, L = tokens_BxL.shape
         if L > cfg.max_seq_len:
             raise ValueError(f"sequence length {L} is above model.max_seq_len={cfg.max_seq_len}")
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
-        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(dt)
-        if self.pos_LxD is not None:
-            x_BxLxD = x_BxLxD + jnp.take(self.pos_LxD[...], positions_BxL, axis=0).astype(dt)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = self.embed(tokens_BxL, positions_BxL)
 
         policy = REMAT_POLICIES[cfg.remat]
         hooks = self.hooks
@@ -177,9 +181,11 @@ class GPT(nnx.Module):
 
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
         [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; otherwise ("auto", "xla")
-        the logits are materialised in fp32.
+        the logits are materialised in fp32. The batch may carry `positions` and `segment_ids` [B, L] (packed
+        documents; a token order other than 0..L-1).
         """
         inputs, targets = batch["inputs"], batch["targets"]
+        positions, segments = batch.get("positions"), batch.get("segment_ids")
         mask = batch.get("mask")
         mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
         if self.cfg.loss_impl == "chunked":
@@ -187,8 +193,8 @@ class GPT(nnx.Module):
         else:
             impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: None)
         if impl == "xla":
-            return cross_entropy_from_logits(self(inputs), targets, mask)
-        h_BxLxD = self.hidden(inputs)
+            return cross_entropy_from_logits(self(inputs, positions, segments), targets, mask)
+        h_BxLxD = self.hidden(inputs, positions, segments)
         B, L, D = h_BxLxD.shape
         total, count = kernels.linear_cross_entropy(
             h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
@@ -196,16 +202,13 @@ class GPT(nnx.Module):
         return total / jnp.maximum(count, 1.0), {"weight": count}
 
 
-def gpt_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The built-in GPT's train loss: `model.next_token_loss(batch)` (a `LossFn` for `jaxperf.step.Task`)."""
-    return model.next_token_loss(batch)
-
-
 def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):
     """(mean of -log p(target) over the mask, {"weight": mask sum}) with the softmax in fp32."""
     logits = logits_BxLxV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets_BxL[..., None], axis=-1)[..., 0]
+    # A one-hot product, not a gather: the partitioner keeps it in place when the vocabulary is split over `tensor`
+    # and the sequence over `seq` (a gather there is all-gathered onto every device first).
+    target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BxL, logits.shape[-1], dtype=logits.dtype), axis=-1)
     weight = jnp.sum(mask_BxL)
     return jnp.sum((logz - target_logit) * mask_BxL) / jnp.maximum(weight, 1.0), {"weight": weight}
 

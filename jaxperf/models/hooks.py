@@ -23,6 +23,27 @@ def _identity(x):
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """Run the model's layer stack as a pipeline: over mesh axis `axis` (its size is the number of stages), in
+    `n_micro` microbatches, with `schedule` "gpipe" or "1f1b" (jaxperf.models.pipelined)."""
+
+    mesh: Any
+    n_micro: int
+    schedule: str = "1f1b"
+    axis: str = "stage"
+
+
+@dataclass(frozen=True)
+class ContextSpec:
+    """Attention runs as a ring over mesh axis `axis` of size `n` with the sequence in `layout` ("zigzag": the loss
+    puts the tokens in `jaxperf.parallel.ring_attention.zigzag_order` first; "contiguous")."""
+
+    n: int
+    layout: str = "zigzag"
+    axis: str = "seq"
+
+
+@dataclass(frozen=True)
 class LayerHooks:
     """Callbacks a step installs on a model (the identity by default).
 
@@ -30,10 +51,17 @@ class LayerHooks:
       layer runs, once per layer and per forward pass.
     row_parallel: applied to the output of each row-parallel matmul (attention output and MLP output projections)
       before its bias is added.
+    pipeline: when set, the loss runs the layer stack as a pipeline (jaxperf.models.pipelined.gpt_loss).
+    context: when set, attention runs as a ring over the sequence split (context parallelism).
+    sequence_parallel: when set (to the mesh), the column- and row-parallel matmuls gather and scatter the sequence
+      over `tensor` with collective matmuls (jaxperf.parallel.collective_matmul).
     """
 
     layer_params: Callable[[Any], Any] = _identity
     row_parallel: Callable[[Any], Any] = _identity
+    pipeline: PipelineSpec | None = None
+    context: ContextSpec | None = None
+    sequence_parallel: Any = None  # the mesh, when activations between layers are split over `tensor` (Megatron-SP)
 
 
 DEFAULT_HOOKS = LayerHooks()

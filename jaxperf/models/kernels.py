@@ -53,7 +53,8 @@ def sharded(fn, in_specs, out_specs):
     if active is None:
         return fn
     mesh, _ = active
-    return _compat.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return _compat.shard_map(fn, mesh=_compat.context_mesh(mesh), in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

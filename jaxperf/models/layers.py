@@ -17,7 +17,9 @@ from jaxperf._compat import no_eager_sharding
 from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
-from jaxperf.parallel.rules import constrain
+from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
+from jaxperf.parallel.ring_attention import ring_attention_ambient
+from jaxperf.parallel.rules import constrain, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
@@ -47,7 +49,8 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
     """x [..., *In] @ w [*In, *Out] -> [..., *Out]: the last `n_in` dims of x contract with the first of w.
 
     Computed as one 2-D matmul [prod(...), prod(In)] x [prod(In), prod(Out)], so every backend sees the plain GEMM
-    shape, and its backward is two plain GEMMs. `grad_barrier` makes the output's cotangent a materialised array
+    shape, and its backward is two plain GEMMs; when the step splits the sequence over `seq`, as a contraction of the
+    trailing dims that keeps the leading dims (and their sharding) apart. `grad_barrier` makes the output's cotangent a materialised array
     before the backward matmuls use it. XLA:CPU otherwise fuses the elementwise gradient of the following op (GELU,
     bias, softmax) into a transposing copy for the weight gradient, which costs more than the matmuls; GPU and TPU
     compilers fuse that well, so the model config turns it on for CPU meshes only (`model.matmul_grad_barrier`,
@@ -57,11 +60,32 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
     if x.shape[x.ndim - n_in:] != in_shape:
         raise ValueError(f"dense: x {x.shape} does not end in the weight's input dims {in_shape} (w {w.shape})")
     lead = x.shape[: x.ndim - n_in]
+    if len(lead) > 1 and sequence_is_split():
+        # Rows split over the batch axes and the sequence over `seq` do not merge into one split dim: a 2-D reshape
+        # would gather the sequence onto every device. Contract the trailing dims in place instead.
+        y = jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+        return _materialise_cotangent(y) if grad_barrier else y
     k = math.prod(in_shape)
     y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out_shape))
     if grad_barrier:
         y = _materialise_cotangent(y)
     return y.reshape(*lead, *out_shape)
+
+
+def _column(x_BxLxD, w, hooks: LayerHooks, grad_barrier: bool):
+    """A column-parallel matmul (its output dims split over `tensor`); under sequence parallelism it gathers the
+    sequence while it multiplies."""
+    if hooks.sequence_parallel is not None:
+        return sequence_parallel_column(x_BxLxD, w, hooks.sequence_parallel)
+    return dense(x_BxLxD, w, grad_barrier=grad_barrier)
+
+
+def _row(h, w, n_in: int, hooks: LayerHooks, grad_barrier: bool):
+    """A row-parallel matmul (its contracted dims split over `tensor`): partial sums added up, and under sequence
+    parallelism split along the sequence again while they are computed."""
+    if hooks.sequence_parallel is not None:
+        return sequence_parallel_row(h, w, hooks.sequence_parallel, n_in)
+    return hooks.row_parallel(dense(h, w, n_in, grad_barrier=grad_barrier))
 
 
 def _ones(key, shape, dtype):
@@ -143,12 +167,12 @@ class Attention(nnx.Module):
         else:
             self.bias_q_HxDh = self.bias_k_KxDh = self.bias_v_KxDh = self.bias_o_D = None
 
-    def _qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array):
+    def _qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS):
         """Projections q [B, L, H, Dh], k and v [B, L, K, Dh], with RoPE applied where the style uses it."""
         cfg, dt = self.cfg, x_BxLxD.dtype
 
         def proj(w, b, heads_axis):
-            y = dense(x_BxLxD, w[...].astype(dt), grad_barrier=self.grad_barrier)
+            y = _column(x_BxLxD, w[...].astype(dt), hooks, self.grad_barrier)
             if b is not None:
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
@@ -163,16 +187,19 @@ class Attention(nnx.Module):
     def _out(self, o_BxLxHxDh: jax.Array, hooks: LayerHooks) -> jax.Array:
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
-        y = hooks.row_parallel(dense(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), n_in=2,
-                                     grad_barrier=self.grad_barrier))
+        y = _row(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), 2, hooks, self.grad_barrier)
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "attn_out")
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None,
                  hooks: LayerHooks = DEFAULT_HOOKS):
-        q, k, v = self._qkv(x_BxLxD, positions_BxL)
-        o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
+        q, k, v = self._qkv(x_BxLxD, positions_BxL, hooks)
+        if hooks.context is not None:  # context parallelism: the sequence is split, attention goes round a ring
+            o_BxLxHxDh = ring_attention_ambient(q, k, v, causal=True, segment_ids=segment_ids_BxL,
+                                                layout=hooks.context.layout)
+        else:
+            o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
         return self._out(o_BxLxHxDh, hooks)
 
     def cached(self, x_BxTxD, positions_BxT, k_cache_BxSxKxDh, v_cache_BxSxKxDh, index_B=None, *,
@@ -243,16 +270,16 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
-        h = dense(x_BxLxD, self.w_in_DxF[...].astype(dt), grad_barrier=self.grad_barrier)
+        h = _column(x_BxLxD, self.w_in_DxF[...].astype(dt), hooks, self.grad_barrier)
         if self.bias_in_F is not None:
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
-            gate = dense(x_BxLxD, self.w_gate_DxF[...].astype(dt), grad_barrier=self.grad_barrier)
+            gate = _column(x_BxLxD, self.w_gate_DxF[...].astype(dt), hooks, self.grad_barrier)
             h = jax.nn.silu(gate) * h
         else:
             h = jax.nn.gelu(h, approximate=True)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = hooks.row_parallel(dense(h_BxLxF, self.w_out_FxD[...].astype(dt), grad_barrier=self.grad_barrier))
+        y = _row(h_BxLxF, self.w_out_FxD[...].astype(dt), 1, hooks, self.grad_barrier)
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlp_out")
@@ -272,9 +299,9 @@ class Block(nnx.Module):
     def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None, hooks: LayerHooks = DEFAULT_HOOKS):
         attn_out = self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL, hooks)
         normed, x_BxLxD = self.mlp_norm(attn_out, residual=x_BxLxD)  # x + attn, normalised in the same pass
-        x_BxLxD = constrain(x_BxLxD, ("batch", "seq", "embed"))
+        x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
         x_BxLxD = x_BxLxD + self.mlp(normed, hooks)
-        return constrain(x_BxLxD, ("batch", "seq", "embed"))
+        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
 
     def cached(self, x_BxTxD, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):
         """The layer over a KV cache (see `Attention.cached`): (x [B, T, D], k_cache, v_cache)."""

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxperf import _compat
 
 
 def axis_size(axis_name) -> int:
@@ -33,7 +36,7 @@ def _matmul(x_LxD, w_DxF):
     return jnp.tensordot(x_LxD, w_DxF, axes=1)
 
 
-def all_gather_matmul(x_LxD, w_DxF, axis_name, *, axis: int = 0):
+def all_gather_matmul(x_LxD, w_DxF, axis_name, *, axis: int = 0, index=None):
     """`all_gather(x, tiled, along axis) @ w` without waiting for the whole gather first.
 
     Tensor parallelism with sequence-sharded activations: each device holds L rows of x and a column block of w
@@ -46,6 +49,8 @@ def all_gather_matmul(x_LxD, w_DxF, axis_name, *, axis: int = 0):
       w_DxF: this device's weight block, (D, F).
       axis_name: the mesh axis x is sharded over.
       axis: x's gathered dim.
+      index: this device's position on the axis (default `lax.axis_index`; pass it as data where only some mesh axes
+        are manual, since the partitioner cannot place a partition-id there).
     Returns:
       (..., N*L, ..., F): x gathered along `axis` in device order, times w_DxF.
     """
@@ -55,7 +60,7 @@ def all_gather_matmul(x_LxD, w_DxF, axis_name, *, axis: int = 0):
     n = axis_size(axis_name)
     if n == 1:
         return _matmul(x_LxD, w_DxF)
-    i = lax.axis_index(axis_name)
+    i = lax.axis_index(axis_name) if index is None else index
     rows = x_LxD.shape[axis]
     block_LxD, out_NLxF = x_LxD, None
     for s in range(n):
@@ -70,7 +75,7 @@ def all_gather_matmul(x_LxD, w_DxF, axis_name, *, axis: int = 0):
     return out_NLxF
 
 
-def matmul_reduce_scatter(x_LxD, w_DxF, axis_name, *, axis: int = 0):
+def matmul_reduce_scatter(x_LxD, w_DxF, axis_name, *, axis: int = 0, index=None):
     """`psum_scatter(x @ w, tiled, along axis)` with the partial products computed one block per ring step.
 
     The dual of `all_gather_matmul`: x's contracted dim D and w's rows are sharded (a row-parallel layer), so each
@@ -83,6 +88,7 @@ def matmul_reduce_scatter(x_LxD, w_DxF, axis_name, *, axis: int = 0):
       w_DxF: (D_local, F): this device's rows of the weight.
       axis_name: the mesh axis D is sharded over.
       axis: x's dim to scatter (not the last); its size must be a multiple of N.
+      index: as for `all_gather_matmul`.
     Returns:
       (..., L, ..., F): block i (along `axis`) of the sum over devices of x @ w, on device i.
     """
@@ -95,10 +101,46 @@ def matmul_reduce_scatter(x_LxD, w_DxF, axis_name, *, axis: int = 0):
                          f"{n} devices of axis {axis_name!r}")
     if n == 1:
         return _matmul(x_LxD, w_DxF)
-    i = lax.axis_index(axis_name)
+    i = lax.axis_index(axis_name) if index is None else index
     rows = x_LxD.shape[axis] // n
     block = lambda k: lax.dynamic_slice_in_dim(x_LxD, jnp.mod(i - k, n) * rows, rows, axis)  # noqa: E731
     acc_LxF = _matmul(block(1), w_DxF)
     for s in range(n - 1):  # the same schedule as the ring reduce-scatter, direction +1
         acc_LxF = ring_shift(acc_LxF, axis_name, n, 1) + _matmul(block(s + 2), w_DxF)
     return acc_LxF
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sequence-parallel tensor parallelism (Megatron-SP): between layers the activations are split along the sequence over
+# the tensor axis; the column-parallel matmul gathers the sequence while it multiplies, the row-parallel one
+# reduce-scatters it back. Only the tensor axis is run by hand: batch, fsdp and the rest stay with the partitioner.
+
+
+def sequence_parallel_column(x_BxLxD, w_DxOut, mesh, axis: str = "tensor"):
+    """x [B, L, D] (L split over `axis`) @ w [D, O1, ...] (O1 split over `axis`) -> [B, L, O1, ...] with the whole
+    sequence and this device's columns, the gather of x overlapped with the matmul (`all_gather_matmul`)."""
+    rest = (None,) * (w_DxOut.ndim - 2)
+
+    def body(x, w, index):
+        y = all_gather_matmul(x, w.reshape(w.shape[0], -1), axis, axis=1, index=index[0])
+        return y.reshape(*y.shape[:2], *w.shape[1:])
+
+    run = _compat.shard_map(body, mesh=_compat.context_mesh(mesh),
+                            in_specs=(P(None, axis, None), P(None, axis, *rest), P(axis)),
+                            out_specs=P(None, None, axis, *rest), check_vma=False, axis_names={axis})
+    return run(x_BxLxD, w_DxOut, jnp.arange(mesh.shape[axis], dtype=jnp.int32))
+
+
+def sequence_parallel_row(h_BxLxIn, w_InxD, mesh, n_in: int = 1, axis: str = "tensor"):
+    """h [B, L, I1, ...] (I1 split over `axis`) @ w [I1, ..., D] -> [B, L, D] summed over `axis` and split along L
+    over it again, the partial products computed one block per ring step (`matmul_reduce_scatter`)."""
+    rest_h, rest_w = (None,) * (h_BxLxIn.ndim - 3), (None,) * (w_InxD.ndim - 1)
+
+    def body(h, w, index):
+        return matmul_reduce_scatter(h.reshape(*h.shape[:2], -1), w.reshape(-1, w.shape[-1]), axis, axis=1,
+                                     index=index[0])
+
+    run = _compat.shard_map(body, mesh=_compat.context_mesh(mesh),
+                            in_specs=(P(None, None, axis, *rest_h), P(axis, *rest_w), P(axis)),
+                            out_specs=P(None, axis, None), check_vma=False, axis_names={axis})
+    return run(h_BxLxIn, w_InxD, jnp.arange(mesh.shape[axis], dtype=jnp.int32))

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxperf import _compat
@@ -170,3 +171,198 @@ def split_microbatches(x_Bx: jax.Array, n_micro: int) -> jax.Array:
             f"or a batch size that is a multiple of {n_micro}"
         )
     return x_Bx.reshape(n_micro, B // n_micro, *x_Bx.shape[1:])
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The pipeline inside a train step: loss and gradients under a schedule (GPipe or 1F1B).
+#
+# The last stage computes each microbatch's loss as soon as its forward is done, so its backward can start at once
+# (that is what lets 1F1B hold fewer activations). Each stage keeps only its *input* for a microbatch between its
+# forward and its backward and recomputes the stage's layers in the backward (remat at stage granularity). The ticks
+# run in lockstep on every stage: on tick t stage s runs the forward of microbatch `fwd` and the backward of
+# microbatch `bwd` of `schedule_ticks`, sends the forward's output to stage s + 1 and the input gradient to s - 1.
+#
+#   GPipe: all forwards, then all backwards. A stage holds every microbatch's input at once: M stashes.
+#   1F1B:  the backward of microbatch i starts on the last stage the tick after its forward and walks back one stage
+#          per tick, interleaved with the forwards of later microbatches: a stage holds at most 2 (S - s) inputs.
+#
+# Both have the same bubble, (S - 1) / (M + S - 1) of a stage's time.
+
+
+def schedule_ticks(schedule: str, n_stages: int, n_micro: int) -> tuple[int, int]:
+    """(ticks of the schedule, stash slots a stage needs: inputs held between a microbatch's forward and backward)."""
+    S, M = n_stages, n_micro
+    if schedule == "gpipe":
+        return 2 * (M + S - 1), M
+    if schedule == "1f1b":
+        return M + 2 * S - 1, min(M, 2 * S)
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def describe(schedule: str, n_stages: int, n_micro: int, microbatch_bytes: int) -> str:
+    """One line for the start-up log: the schedule, its bubble and the stage inputs it stashes per device.
+
+    `microbatch_bytes`: one microbatch's stage input on one device (rows x positions x d_model x bytes)."""
+    _, slots = schedule_ticks(schedule, n_stages, n_micro)
+    return (f"pipeline {schedule}: {n_stages} stages x {n_micro} microbatches, bubble "
+            f"{bubble_fraction(n_stages, n_micro, schedule):.0%}, stashes {slots} stage inputs of "
+            f"{microbatch_bytes / 2**20:.2f} MiB per device ({slots * microbatch_bytes / 2**20:.2f} MiB, before the "
+            f"layers' own activations)")
+
+
+def _tick_plan(schedule: str, t, stage, n_stages: int, n_micro: int):
+    """(forward microbatch, backward microbatch) of `stage` on tick t; an index outside [0, M) means none."""
+    S, M = n_stages, n_micro
+    if schedule == "gpipe":
+        fwd = jnp.where(t < M + S - 1, t - stage, -1)
+        bwd = (t - (M + S - 1)) - (S - 1 - stage)
+        return fwd, bwd
+    return t - stage, t - (2 * S - 1 - stage)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def pipeline_value(stage_fn, last_fn, stage_params, last_params, x_MxBx, aux_M, consts=None, *, mesh: Mesh,
+                   axis: str = "stage", schedule: str = "1f1b"):
+    """(loss sum, token count) of M microbatches through S pipeline stages; differentiable with the schedule's own
+    backward (jax.grad of it runs `schedule`, without it only the forward ticks run).
+
+    Args:
+      stage_fn: `(params_of_one_stage, x_Bx..., consts) -> y_Bx...` (y shaped like x): the stage's layers.
+      last_fn: `(last_params, y_Bx..., aux_of_one_microbatch, consts) -> (loss_sum, count)`: after the last stage.
+      stage_params: pytree with a leading layers axis N on every leaf, split over `axis` (S must divide N).
+      last_params: pytree used by `last_fn` (the final norm and output projection), replicated over `axis`.
+      x_MxBx: [M, B, ...] the first stage's input per microbatch. aux_M: pytree of [M, ...] (targets, masks).
+      consts: a pytree every stage reads whole (e.g. the token positions); not differentiated.
+      mesh: the mesh; only `axis` is run by hand, every other mesh axis stays with the automatic partitioner, so the
+        stage's layers keep their data / fsdp / tensor / seq sharding.
+      schedule: "gpipe" or "1f1b".
+    """
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh axes {tuple(mesh.shape)} have no pipeline axis {axis!r}")
+    S, M = mesh.shape[axis], x_MxBx.shape[0]
+    check_stages(stage_params, S)
+    if M < S:
+        raise ValueError(f"{M} microbatches for {S} pipeline stages: use at least {S} (microbatches >= stage) so "
+                         f"every stage has work")
+    ticks, slots = schedule_ticks(schedule, S, M)
+
+    def run(train: bool):
+        def body(params, last, x_MxBx, aux_M, consts, stage_index):
+            stage = stage_index[0]  # as data: a partition id is ambiguous where only some mesh axes are manual
+            is_last = stage == S - 1
+            to_next = [(s, s + 1) for s in range(S - 1)]
+            to_prev = [(s, s - 1) for s in range(1, S)]
+            zero_y = jnp.zeros_like(x_MxBx[0])
+            pick = lambda tree, i: jax.tree.map(  # noqa: E731
+                lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(i, 0, M - 1), 0, keepdims=False), tree)
+
+            # Every stage runs the same program on every tick (results masked where they do not apply): a branch
+            # taken by some stages only could hold a collective of another mesh axis (fsdp gathers, tensor sums, the
+            # ring of context parallelism) that the other stages never join.
+            def forward(i, received, stash):
+                x_in = jnp.where(stage == 0, pick(x_MxBx, i), received)
+                valid = (i >= 0) & (i < M)
+                if stash is not None:
+                    slot = jnp.clip(i, 0, M - 1) % slots
+                    stash = jnp.where(valid, jax.lax.dynamic_update_index_in_dim(stash, x_in, slot, 0), stash)
+                y = stage_fn(params, x_in, consts)
+                loss, count = last_fn(last, y, pick(aux_M, i), consts)
+                use = (valid & is_last).astype(jnp.float32)
+                return y, loss.astype(jnp.float32) * use, count.astype(jnp.float32) * use, stash
+
+            def backward(j, received_ct, stash):
+                valid = ((j >= 0) & (j < M)).astype(jnp.float32)
+                x_in = jax.lax.dynamic_index_in_dim(stash, jnp.clip(j, 0, M - 1) % slots, 0, keepdims=False)
+                last_w = is_last.astype(jnp.float32)
+
+                def objective(p, lp, x):
+                    # On the last stage the microbatch's loss; elsewhere <y, cotangent from the next stage>: its
+                    # gradient is the vjp of the stage with that cotangent.
+                    y = stage_fn(p, x, consts)
+                    loss = last_fn(lp, y, pick(aux_M, j), consts)[0].astype(jnp.float32)
+                    passed = jnp.sum((y * received_ct).astype(jnp.float32))
+                    return last_w * loss + (1.0 - last_w) * passed
+
+                dp, dl, dx = jax.grad(objective, argnums=(0, 1, 2))(params, last, x_in)
+                mask = lambda tree: jax.tree.map(lambda a: (a * valid).astype(a.dtype), tree)  # noqa: E731
+                return mask(dp), mask(dl), mask(dx)
+
+            def tick(carry, t):
+                fwd_i, bwd_j = _tick_plan(schedule, t, stage, S, M)
+                if train:
+                    recv_f, recv_b, stash, d_p, d_l, dx_M, loss, count = carry
+                else:
+                    recv_f, loss, count = carry
+                    stash = None
+                y, l_i, c_i, stash = forward(fwd_i, recv_f, stash)
+                loss, count = loss + l_i, count + c_i
+                if not train:
+                    return (jax.lax.ppermute(y, axis, to_next), loss, count), None
+                dp, dl, dx = backward(bwd_j, recv_b, stash)
+                d_p = jax.tree.map(jnp.add, d_p, dp)
+                d_l = jax.tree.map(jnp.add, d_l, dl)
+                valid_b = (bwd_j >= 0) & (bwd_j < M)
+                keep = valid_b & (stage == 0)
+                dx_M = jnp.where(keep, jax.lax.dynamic_update_index_in_dim(dx_M, dx, jnp.clip(bwd_j, 0, M - 1), 0),
+                                 dx_M)
+                carry = (jax.lax.ppermute(y, axis, to_next), jax.lax.ppermute(dx, axis, to_prev), stash, d_p, d_l,
+                         dx_M, loss, count)
+                return carry, None
+
+            zero = jnp.zeros((), jnp.float32)
+            if not train:
+                (_, loss, count), _ = jax.lax.scan(tick, (zero_y, zero, zero), jnp.arange(M + S - 1))
+                return loss[None], count[None]
+            stash = jnp.zeros((slots, *x_MxBx.shape[1:]), x_MxBx.dtype)
+            init = (zero_y, zero_y, stash, jax.tree.map(jnp.zeros_like, params),
+                    jax.tree.map(jnp.zeros_like, last), jnp.zeros_like(x_MxBx), zero, zero)
+            (_, _, _, d_p, d_l, dx_M, loss, count), _ = jax.lax.scan(tick, init, jnp.arange(ticks))
+            # Per-stage results leave stacked on a leading stage axis and are summed outside, by the partitioner: only
+            # one stage holds each of them (the last the loss and head gradients, the first the input gradients).
+            stacked = lambda tree: jax.tree.map(lambda a: a[None], tree)  # noqa: E731
+            return loss[None], count[None], d_p, stacked(d_l), dx_M[None]
+
+        rep = P()
+        stage_spec = jax.tree.map(lambda _: P(axis), stage_params)
+        last_spec = jax.tree.map(lambda _: rep, last_params)
+        aux_spec = jax.tree.map(lambda _: rep, aux_M)
+        const_spec = jax.tree.map(lambda _: rep, consts)
+        per_stage = P(axis)
+        out = ((per_stage, per_stage, stage_spec, jax.tree.map(lambda _: per_stage, last_params), per_stage) if train
+               else (per_stage, per_stage))
+        run_body = _compat.shard_map(body, mesh=mesh, in_specs=(stage_spec, last_spec, rep, aux_spec, const_spec,
+                                                                 P(axis)), out_specs=out, check_vma=False,
+                                     axis_names={axis})
+
+        def call(*args):
+            outs = run_body(*args, jnp.arange(S, dtype=jnp.int32))
+            total = lambda tree: jax.tree.map(lambda a: jnp.sum(a, axis=0), tree)  # noqa: E731
+            if not train:
+                return total(outs)
+            loss, count, d_p, d_l, dx = outs
+            return total(loss), total(count), d_p, total(d_l), total(dx)
+
+        return call
+
+    @jax.custom_vjp
+    def value(stage_params, last_params, x_MxBx, aux_M, consts):
+        return run(False)(stage_params, last_params, x_MxBx, aux_M, consts)
+
+    def value_fwd(stage_params, last_params, x_MxBx, aux_M, consts):
+        loss, count, d_p, d_l, dx = run(True)(stage_params, last_params, x_MxBx, aux_M, consts)
+        return (loss, count), (d_p, d_l, dx, aux_M, consts)
+
+    def value_bwd(res, cts):
+        d_p, d_l, dx, aux_M, consts = res
+        g = cts[0]  # the count does not depend on any input
+        scale = lambda tree: jax.tree.map(lambda a: (a * g).astype(a.dtype), tree)  # noqa: E731
+        zero = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
+        return scale(d_p), scale(d_l), scale(dx), zero(aux_M), zero(consts)
+
+    value.defvjp(value_fwd, value_bwd)
+    return value(stage_params, last_params, x_MxBx, aux_M, consts)

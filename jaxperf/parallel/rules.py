@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxperf import _compat
 from jaxperf.config import ConfigError
 
 MeshAxes = str | tuple[str, ...] | None
@@ -57,9 +58,32 @@ STRATEGIES: dict[str, Rules] = {
     "fsdp_tp": Rules("fsdp_tp", _FSDP_PARAMS + _TP_PARAMS, _ACTIVATIONS),
 }
 
+# Pipeline and context parallelism go with every strategy, added when the mesh has the axis: `stage` splits the
+# stacked layers (each stage stores its own layers), `seq` splits the sequence of every activation (attention runs as a
+# ring over it). `residual_seq` names the sequence dim of the residual stream between layers, which Megatron-style
+# sequence parallelism also splits over `tensor`.
+_STAGE_PARAMS = (("layers", "stage"),)
 
-def get_rules(strategy: str | Rules, mesh: Mesh | None = None) -> Rules:
-    """The rule table of a strategy; with a mesh, check that every mesh axis larger than 1 is used by the table."""
+
+def mesh_rules(rules: Rules, mesh: Mesh, *, sequence_parallel: bool = False) -> Rules:
+    """`rules` with the mappings the mesh's stage and seq axes (and sequence parallelism over tensor) need."""
+    params, acts = rules.params, rules.activations
+    if mesh.shape.get("stage", 1) > 1:
+        params = _STAGE_PARAMS + params
+    seq = ("seq",) if mesh.shape.get("seq", 1) > 1 else ()
+    residual = seq + (("tensor",) if sequence_parallel and mesh.shape.get("tensor", 1) > 1 else ())
+    if seq:
+        acts = acts + (("seq", "seq"),)
+    if residual:
+        acts = acts + (("residual_seq", residual if len(residual) > 1 else residual[0]),)
+    if (params, acts) == (rules.params, rules.activations):
+        return rules
+    return Rules(rules.name, params, acts)
+
+
+def get_rules(strategy: str | Rules, mesh: Mesh | None = None, *, sequence_parallel: bool = False) -> Rules:
+    """The rule table of a strategy; with a mesh, the stage / seq mappings it needs (`mesh_rules`) and a check that
+    every mesh axis larger than 1 is used by the table."""
     if isinstance(strategy, Rules):
         rules = strategy
     elif strategy in STRATEGIES:
@@ -67,6 +91,7 @@ def get_rules(strategy: str | Rules, mesh: Mesh | None = None) -> Rules:
     else:
         raise ConfigError(f"unknown parallel.strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if mesh is not None:
+        rules = mesh_rules(rules, mesh, sequence_parallel=sequence_parallel)
         unused = [a for a, s in mesh.shape.items() if s > 1 and a not in rules.mesh_axes_used()]
         if unused:
             axes = ", ".join(f"{a}={mesh.shape[a]}" for a in unused)
@@ -136,6 +161,12 @@ def current() -> tuple[Mesh, Rules] | None:
     return _ACTIVE.get()
 
 
+def sequence_is_split() -> bool:
+    """True inside `activation_sharding` on a mesh whose `seq` axis splits the sequence (context parallelism)."""
+    active = _ACTIVE.get()
+    return active is not None and active[0].shape.get("seq", 1) > 1
+
+
 def activation_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> P | None:
     """The PartitionSpec `constrain` would use for these names, or None outside `activation_sharding`."""
     active = _ACTIVE.get()
@@ -154,4 +185,4 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     if len(logical_axes) != x.ndim:
         raise ValueError(f"constrain: {len(logical_axes)} names {tuple(logical_axes)} for an array of shape {x.shape}")
     spec = logical_to_spec(logical_axes, rules.activations, mesh, x.shape)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(_compat.context_mesh(mesh), spec))

@@ -15,7 +15,9 @@ The estimate is a model of the jaxperf train step, per device:
   activations  what the backward pass needs from the forward pass of one microbatch: per layer the tensors the remat
                policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
                fp32 logits of the loss with their gradient. The batch is split over data*fsdp, heads/mlp/vocab over
-               tensor.
+               tensor, the sequence over seq (and the residual stream over tensor with sequence_parallel). With
+               stage > 1: the stage's layers only, one pipeline microbatch at a time, plus the stage inputs the
+               schedule stashes (jaxperf.parallel.pipeline.schedule_ticks).
   batch        the step's input arrays (inputs, targets int32 and mask fp32) for the whole batch, sharded like it
   gathered     FSDP all-gathers one layer's weights (and their gradients) in full at a time
 
@@ -52,7 +54,8 @@ from flax import nnx
 from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
 from jaxperf.models.gpt import GPT
-from jaxperf.parallel.rules import get_rules, logical_to_spec
+from jaxperf.parallel.pipeline import schedule_ticks
+from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
 
 GiB = 2**30
 
@@ -168,22 +171,26 @@ def _split(n: int, parts: int) -> float:
     return n / parts if parts > 1 and n % parts == 0 else float(n)
 
 
-def _saved_per_token_layer(r: ModelConfig, L: int, t: int) -> tuple[float, float]:
-    """(bytes saved per token per layer under r.remat, bytes of one layer's full working set per token)."""
+def _saved_per_token_layer(r: ModelConfig, L: int, t: int, sp: bool = False) -> tuple[float, float]:
+    """(bytes saved per token per layer under r.remat, bytes of one layer's full working set per token).
+
+    `L`: the keys each query meets at once (the local block under a ring); `sp`: the residual stream and norms split
+    over `t` (Megatron sequence parallelism)."""
     s = jnp.dtype(r.dtype).itemsize
     D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
+    d = D / t if sp else D
     gate = 2 if r.mlp_act == "swiglu" else 1
     qkv = _split(H * Dh, t) + 2 * _split(K * Dh, t)
     o = _split(H * Dh, t)
     f = _split(F, t)
     scores = 12 * _split(H * L, t)  # fp32 scores (masked in place), probabilities, and their gradient
-    full = s * (6 * D + qkv + o + (gate + 1) * f) + scores
+    full = s * (6 * d + qkv + o + (gate + 1) * f) + scores
     saved = {
         "none": full,
         "save_dots": full,
-        "save_dots_no_batch": s * (3 * D + qkv + gate * f),
-        "save_attn_proj": s * (3 * D + qkv),
-        "full": s * D,
+        "save_dots_no_batch": s * (3 * d + qkv + gate * f),
+        "save_attn_proj": s * (3 * d + qkv),
+        "full": s * d,
     }[r.remat]
     return saved, full
 
@@ -191,11 +198,14 @@ def _saved_per_token_layer(r: ModelConfig, L: int, t: int) -> tuple[float, float
 def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) -> MemoryEstimate:
     """Per-device memory of the jaxperf train step for `cfg` on `mesh` (a Mesh, a device count, or axis sizes).
 
-    Nothing is compiled or allocated: the model is traced abstractly once per model config.
+    Nothing is compiled or allocated: the model is traced abstractly once per model config. Under a pipeline
+    (stage > 1) a device holds its stage's layers and works on one microbatch at a time, plus the stage inputs the
+    schedule stashes; under a ring (seq > 1) it holds L / seq positions and meets L / seq keys at a time.
     """
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
-    rules = get_rules(cfg.parallel.strategy)
+    sp = cfg.parallel.sequence_parallel and shape["tensor"] > 1
+    rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)
     r = cfg.model.resolved()
     params = 0.0
     layer_full = 0.0  # one layer's weights, whole (what FSDP gathers)
@@ -205,14 +215,20 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) 
         if axes and axes[0] == "layers":
             layer_full += nbytes / leaf_shape[0] / _shard_factor(leaf_shape[1:], axes[1:], rules.params,
                                                                   {**shape, "fsdp": 1})
-    dp, t = shape["data"] * shape["fsdp"], shape["tensor"]
+    dp, t, stages, ring = shape["data"] * shape["fsdp"], shape["tensor"], shape["stage"], shape["seq"]
     L = cfg.train_seq_len
+    positions = L / ring  # a device's share of the sequence
     micro_rows = cfg.batch_size // cfg.microbatches / dp
-    tokens = micro_rows * L
-    saved, full = _saved_per_token_layer(r, L, t)
+    tokens = micro_rows * positions
+    saved, full = _saved_per_token_layer(r, positions, t, sp)
     logits = 3 * 4 * _split(r.padded_vocab, t)  # fp32 logits, softmax and their gradient
-    activations = tokens * (r.n_layers * saved + (full if r.remat != "none" else 0) + logits)
-    grads = params * (2 if cfg.microbatches > 1 else 1)
+    layers = r.n_layers / stages
+    activations = tokens * (layers * saved + (full if r.remat != "none" else 0) + logits)
+    if stages > 1:  # the stage inputs held between a microbatch's forward and backward
+        _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
+        activations += slots * tokens * (r.d_model / t if sp else r.d_model) * jnp.dtype(r.dtype).itemsize
+    accumulates = cfg.microbatches > 1 and stages == 1  # a pipeline's microbatches are not the step's accumulation
+    grads = params * (2 if accumulates else 1)
     batch = cfg.batch_size / dp * L * 3 * 4
     compute = jnp.dtype(r.dtype).itemsize / jnp.dtype(r.param_dtype).itemsize
     gathered = 2 * layer_full * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
@@ -244,12 +260,12 @@ def _remedies(est: MemoryEstimate) -> list[tuple[str, MemoryEstimate]]:
     else:
         if cfg.parallel.strategy in ("dp", "tp") and n > 1:
             strategy = "fsdp" if cfg.parallel.strategy == "dp" else "fsdp_tp"
-            new_shape = {"data": 1, "fsdp": shape["data"] * shape["fsdp"], "tensor": shape["tensor"]}
+            new_shape = {**shape, "data": 1, "fsdp": shape["data"] * shape["fsdp"]}
             new = _with(cfg, parallel={"strategy": strategy, "data": 1, "fsdp": new_shape["fsdp"]})
             out.append((f"parallel.strategy={strategy} parallel.data=1 parallel.fsdp={new_shape['fsdp']}", new,
                         new_shape))
         elif shape["data"] > 1:
-            new_shape = {"data": 1, "fsdp": shape["data"] * shape["fsdp"], "tensor": shape["tensor"]}
+            new_shape = {**shape, "data": 1, "fsdp": shape["data"] * shape["fsdp"]}
             out.append((f"parallel.data=1 parallel.fsdp={new_shape['fsdp']}",
                         _with(cfg, parallel={"data": 1, "fsdp": new_shape["fsdp"]}), new_shape))
     results = []

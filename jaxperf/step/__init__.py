@@ -3,10 +3,10 @@
 from jaxperf.step.health import HealthOptions
 from jaxperf.step.optimizer import lr_schedule, make_optimizer
 from jaxperf.step.task import (
-    LossFn, Task, TrainState, build_task, decay_mask, finish_step, next_token_loss, platform_of,
+    LossFn, Task, TrainState, build_task, decay_mask, finish_step, next_token_loss, platform_of, step_microbatches,
 )
 
 __all__ = [
-    "HealthOptions", "LossFn", "Task", "TrainState", "build_task", "decay_mask", "finish_step", "lr_schedule", "make_optimizer",
-    "next_token_loss", "platform_of",
+    "HealthOptions", "LossFn", "Task", "TrainState", "build_task", "decay_mask", "finish_step", "lr_schedule",
+    "make_optimizer", "next_token_loss", "platform_of", "step_microbatches",
 ]

@@ -28,9 +28,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxperf import _compat
-from jaxperf.config import TrainConfig
-from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
-from jaxperf.models.hooks import LayerHooks
+from jaxperf.config import ConfigError, TrainConfig
+from jaxperf.models.gpt import GPT, cross_entropy_from_logits
+from jaxperf.models.pipelined import gpt_loss
+from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import for_platform
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
@@ -146,6 +147,7 @@ class Task:
     loss_fn: LossFn = next_token_loss
     schedule: Callable | None = None  # the learning-rate schedule, reported as metrics["lr"]
     layer_stack: str | None = None  # the model's stacked layers' key in the parameter tree (jaxperf.models.hooks)
+    hooks: LayerHooks | None = None  # installed on the model by every step of this task (e.g. a pipeline)
 
     @classmethod
     def create(cls, make_model, mesh: Mesh, rules: Rules, tx=None, *, seed: int = 0,
@@ -173,6 +175,7 @@ class Task:
         template = jax.tree.map(lambda x: x, self.param_template)  # a fresh copy of the Variables
         nnx.replace_by_pure_dict(template, params)
         model = nnx.merge(self.graphdef, template, self.model_state if model_state is None else model_state)
+        hooks = hooks or self.hooks
         if hooks is not None:
             model.hooks = hooks
         return model
@@ -309,11 +312,31 @@ class Task:
                        out_shardings=replicated(self.mesh))
 
 
+def step_microbatches(cfg: TrainConfig) -> int:
+    """Microbatches the step accumulates itself: cfg.microbatches, except under a pipeline (stage > 1), where they are
+    the pipeline's and the step sees one batch."""
+    return 1 if cfg.parallel.stage > 1 else cfg.microbatches
+
+
 def platform_of(mesh: Mesh) -> str:
     """The platform the mesh's devices belong to ("cpu", "gpu", "tpu"); a TPU topology described on a CPU host is
     "tpu"."""
     platform = mesh.devices.flat[0].platform.lower()
     return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _check_cpu_collective_order(cfg: TrainConfig, mesh: Mesh) -> None:
+    """ConfigError for the meshes whose step XLA:CPU runs with collectives in different orders on different devices
+    (it hangs, then aborts): a pipeline over fsdp-sharded layers together with a contiguous ring or Megatron sequence
+    parallelism puts two loops of collectives side by side. Accelerators run collectives in program order."""
+    if platform_of(mesh) != "cpu" or mesh.shape.get("stage", 1) == 1 or mesh.shape.get("fsdp", 1) == 1:
+        return
+    p = cfg.parallel
+    other = ("seq with context_layout=contiguous" if mesh.shape.get("seq", 1) > 1 and p.context_layout == "contiguous"
+             else "sequence_parallel" if p.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None)
+    if other:
+        raise ConfigError(f"stage x fsdp x {other} hangs on CPU devices (XLA:CPU runs the collectives out of order): "
+                          f"use fsdp=1, or context_layout=zigzag / sequence_parallel=false")
 
 
 def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module] | None = None, *,
@@ -333,13 +356,22 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
         decay only on matrices), whose schedule is reported as metrics["lr"].
       with_optimizer: False builds a Task for inference (restoring or serving parameters): no optimizer is made.
     """
-    rules = get_rules(cfg.parallel.strategy, mesh)
+    rules = get_rules(cfg.parallel.strategy, mesh, sequence_parallel=cfg.parallel.sequence_parallel)
+    pipeline = context = None
+    if mesh.shape.get("stage", 1) > 1:
+        pipeline = PipelineSpec(mesh, cfg.microbatches, cfg.parallel.schedule)
+    if mesh.shape.get("seq", 1) > 1:
+        context = ContextSpec(mesh.shape["seq"], cfg.parallel.context_layout)
+    sequence_parallel = mesh if cfg.parallel.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None
+    hooks = (LayerHooks(pipeline=pipeline, context=context, sequence_parallel=sequence_parallel)
+             if pipeline or context or sequence_parallel is not None else None)
+    _check_cpu_collective_order(cfg, mesh)
     if make_model is None:
         model_cfg = for_platform(cfg.model, platform_of(mesh))
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
         loss_fn = loss_fn or gpt_loss
     task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),
-                       loss_fn=loss_fn)
+                       loss_fn=loss_fn).replace(hooks=hooks)
     if not with_optimizer:
         return task
     schedule = None

@@ -29,7 +29,7 @@ from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.memory import estimate
-from jaxperf.step.task import build_task
+from jaxperf.step.task import build_task, step_microbatches
 
 GiB = 2**30
 
@@ -68,7 +68,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     validate(cfg, len(devices), shape)
     mesh = make_mesh(cfg.parallel, devices)
     task = build_task(cfg, mesh)
-    step = task.train_step(microbatches=cfg.microbatches)
+    step = task.train_step(microbatches=step_microbatches(cfg))
     state = task.abstract_state()
     B, L = cfg.batch_size, cfg.train_seq_len
     tok = task.batch_sharding(2)

@@ -28,14 +28,16 @@ from jax.experimental import multihost_utils
 from jaxperf.config import TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
 from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
+from jaxperf.models.hooks import LayerHooks
 from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel.pipeline import describe as pipeline_describe
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.compile import enable_compilation_cache
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hostmem import host_memory
 from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
-from jaxperf.step.task import LossFn, TrainState, build_task
+from jaxperf.step.task import LossFn, TrainState, build_task, step_microbatches
 from jaxperf.train.checkpoint import Checkpointer, NoIntactCheckpointError
 from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
 from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
@@ -101,7 +103,7 @@ class Trainer:
         """(train step of cfg.parallel.flavour, jit eval step); the eval step takes the usual state in every flavour."""
         if self._train_step is None:
             self._train_step = build_train_step(self.task, self.task.loss_fn, self.cfg.parallel.flavour,
-                                                microbatches=self.cfg.microbatches,
+                                                microbatches=step_microbatches(self.cfg),
                                                 overlap_grad_reduce=self.cfg.parallel.overlap_grad_reduce)
             self._eval_step = self.task.eval_step()
         return self._train_step, self._eval_step
@@ -234,6 +236,9 @@ class Trainer:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, flavour {self.cfg.parallel.flavour}, "
             f"{format_report(report, self.mesh)}")
+        pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
+        if pipeline is not None and not self.custom_model:
+            log(self._pipeline_line(pipeline))
         if self.mesh.devices.flat[0].platform == "cpu":
             host = host_memory()
             if host.can_enable:  # the step would run faster restarted with huge pages: say how
@@ -243,6 +248,16 @@ class Trainer:
                 log(f"warning: {name} uses {r['ratio_to_expected']:.1f}x the expected bytes per device: some dims "
                     f"do not divide over the mesh and stay replicated")
         return report
+
+    def _pipeline_line(self, spec) -> str:
+        """The schedule, bubble and stashed stage inputs per device (jaxperf.parallel.pipeline.describe)."""
+        shape, m = self.mesh.shape, self.cfg.model
+        rows = self.cfg.batch_size // spec.n_micro // (shape["data"] * shape["fsdp"])
+        positions = self.cfg.train_seq_len // shape["seq"]
+        if self.cfg.parallel.sequence_parallel:
+            positions //= shape["tensor"]
+        nbytes = max(rows, 1) * positions * m.d_model * jnp.dtype(m.dtype).itemsize
+        return pipeline_describe(spec.schedule, shape["stage"], spec.n_micro, nbytes)
 
     def sample(self, state: TrainState, prompt: str, n_tokens: int, *, temperature: float = 0.8, seed: int = 0) -> str:
         """Text from the trained model (full recomputation over a fixed window: one compilation, no KV cache)."""
@@ -254,7 +269,8 @@ class Trainer:
 
         @jax.jit
         def next_token(params, tokens_1xW, pos, key):
-            logits = task.merge(params)(tokens_1xW)[0, pos].astype(jnp.float32)[:vocab]
+            # On one device: none of the step's hooks (pipeline, ring, sequence parallelism) apply.
+            logits = task.merge(params, hooks=LayerHooks())(tokens_1xW)[0, pos].astype(jnp.float32)[:vocab]
             return jax.random.categorical(key, logits / temperature)
 
         ids = [int(t) for t in self.tokenizer.encode(prompt)] or [0]
