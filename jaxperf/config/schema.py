@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 Style = Literal["gpt2", "llama"]  # gpt2: LayerNorm, learned positions, GELU, MHA; llama: RMSNorm, RoPE, SwiGLU, GQA
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
-MlpAct = Literal["gelu", "swiglu"]
+# gelu: GELU's tanh approximation (GPT-2's `gelu_new`); gelu_exact: the erf form (HF `activation_function: "gelu"`)
+MlpAct = Literal["gelu", "gelu_exact", "swiglu"]
 Remat = Literal["none", "full", "save_dots", "save_dots_no_batch", "save_attn_proj"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
@@ -49,7 +50,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query; 1 = multi-query
     head_dim: int | None = None  # None = d_model // n_heads
-    mlp_dim: int | None = None  # None = 4 * d_model (gelu) or 8/3 * d_model rounded up to 64 (swiglu)
+    mlp_dim: int | None = None  # None = 4 * d_model (gelu, gelu_exact) or 8/3 * d_model rounded up to 64 (swiglu)
     norm: Norm | None = None
     position: Position | None = None
     mlp_act: MlpAct | None = None
