@@ -33,7 +33,7 @@ NormImpl = Literal["auto", "xla", "pallas"]
 LossImpl = Literal["auto", "xla", "pallas", "chunked"]
 Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
-Tokenizer = Literal["byte", "bpe"]
+Tokenizer = Literal["byte", "bpe", "hf"]
 LossScale = Literal["auto", "dynamic", "none"]
 
 
@@ -136,8 +136,10 @@ class DataConfig:
     """Where tokens come from. The default corpus is the Python standard library's own source (always present)."""
 
     source: str = "stdlib"  # "stdlib" | a text file or glob | a token file "x.bin" or "x.bin:uint32"
-    tokenizer: Tokenizer = "byte"  # bpe: trained on the corpus with model.vocab_size, or from tokenizer_path
-    tokenizer_path: str | None = None  # a tokenizer.json for "bpe"
+    # bpe: trained on the corpus with model.vocab_size, or from tokenizer_path. hf: a Hugging Face model's own
+    # tokenizer.json (tokenizer_path; init_from= a Hugging Face directory sets both)
+    tokenizer: Tokenizer = "byte"
+    tokenizer_path: str | None = None  # a tokenizer.json for "bpe"; for "hf" also the model directory that holds it
     max_bytes: int | None = None  # use only this prefix of a text corpus
     val_fraction: float = 0.01  # tail of the token stream held out for evaluation
     cache_dir: str = "~/.cache/jaxperf"  # tokenizer and tokenized-corpus cache
