@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -123,6 +125,24 @@ def test_user_model_trains_through_trainer_under_fsdp_tp(tmp_path):
     assert shard(params["down"]["kernel"]) == (32, 64)  # mlp takes `tensor` first; vocab stays whole
     assert shard(params["down"]["bias"]) == (32,)
     assert (tmp_path / "checkpoints").exists() and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_trainer_takes_any_optax_transformation(tmp_path):
+    """Trainer(tx=...) trains with it end to end (here Adam at a fixed rate, no weight decay, no schedule: no "lr"
+    metric), with its state sharded like the parameters, checkpointed and resumed."""
+    cfg = get_config("tiny", ["batch_size=8", "max_steps=30", "eval_every=0", "eval_batches=0", "checkpoint_every=0",
+                              f"run_dir={tmp_path}", "sample_tokens=0", "log_every=10", "tensorboard=false"])
+    make = lambda rngs: BagOfWordsLM(64, 32, 64, rngs=rngs)  # noqa: E731
+    trainer = Trainer(cfg, make_model=make, loss_fn=next_token_loss, train_data=RepeatingData(), tx=optax.adam(3e-2))
+    summary = trainer.fit()
+    losses = summary["losses"]
+    assert losses[29] < 0.5 * losses[0], (losses[0], losses[29])
+    mu = summary["state"].opt_state[0].mu  # Adam's first moment
+    assert mu["up"]["kernel"].sharding == summary["state"].params["up"]["kernel"].sharding
+    assert "lr" not in json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    more = Trainer(dataclasses.replace(cfg, max_steps=32), make_model=make, loss_fn=next_token_loss,
+                   train_data=RepeatingData(), tx=optax.adam(3e-2)).fit()
+    assert sorted(more["losses"]) == [30, 31]  # resumed from the saved Adam state
 
 
 def test_trainer_rejects_batch_that_does_not_divide_before_compiling(tmp_path):

@@ -35,6 +35,7 @@ Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
 Tokenizer = Literal["byte", "bpe", "hf"]
 LossScale = Literal["auto", "dynamic", "none"]
+LrSchedule = Literal["warmup_cosine", "constant"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ class ModelConfig:
 class OptimConfig:
     """AdamW with linear warm-up, cosine decay to `min_lr_ratio * lr`, and global-norm clipping."""
 
+    # warmup_cosine: warmup_steps up to lr, cosine down to min_lr_ratio * lr at decay_steps. constant: lr at every step
+    # (warmup_steps, min_lr_ratio and decay_steps unused), e.g. for fine-tuning
+    schedule: LrSchedule = "warmup_cosine"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
