@@ -145,6 +145,29 @@ def test_trainer_takes_any_optax_transformation(tmp_path):
     assert sorted(more["losses"]) == [30, 31]  # resumed from the saved Adam state
 
 
+def test_a_model_smaller_than_the_vocabulary_is_refused_before_compiling(tmp_path):
+    """A vocab-128 model on the byte tokenizer's 256 ids would give NaN losses (targets without a logit): refused
+    with both numbers and the fix, from the model's output shape traced abstractly."""
+    cfg = get_config("tiny", [f"run_dir={tmp_path}", "data.max_bytes=20000"])
+    with pytest.raises(ConfigError, match=r"the model outputs 128 logits per token but the byte tokenizer has 256 ids: "
+                                          r"give the model an output of at least 256 \(e.g. nnx.Embed\(256"):
+        Trainer(cfg, make_model=lambda rngs: BagOfWordsLM(128, 32, 64, rngs=rngs), loss_fn=next_token_loss)
+    Trainer(cfg, make_model=lambda rngs: BagOfWordsLM(256, 32, 64, rngs=rngs), loss_fn=next_token_loss)
+    # A model called on something else than tokens alone is not checked (nothing to trace).
+    Trainer(cfg, make_model=lambda rngs: NeedsABatch(rngs=rngs), loss_fn=lambda m, b: m.loss(b))
+
+
+class NeedsABatch(nnx.Module):
+    def __init__(self, *, rngs):
+        self.w = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (256, 8)))
+
+    def __call__(self, batch):
+        return self.w[...][batch["inputs"]]
+
+    def loss(self, batch):
+        return jnp.mean(self(batch) ** 2), {}
+
+
 def test_trainer_rejects_batch_that_does_not_divide_before_compiling(tmp_path):
     cfg = get_config("tiny", ["batch_size=12", "parallel.fsdp=8", f"run_dir={tmp_path}"])
     with pytest.raises(ConfigError, match="not divisible by the data-parallel size"):

@@ -220,6 +220,18 @@ class Task:
         """Parameters and optimizer state created directly in their shards (never whole on one device)."""
         return jax.jit(self._init, out_shardings=self.state_shardings())()
 
+    def output_size(self, seq_len: int) -> int | None:
+        """The last dim of `model(tokens)` for int32 tokens [1, seq_len], traced abstractly (nothing is computed or
+        allocated): the vocabulary the model can predict. None for a model that is not called on tokens alone or
+        does not return [B, L, V] logits."""
+        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+        try:
+            out = jax.eval_shape(lambda p, t: self.merge(p)(t), self.abstract_params, tokens)
+        except Exception:  # noqa: BLE001 - a model that needs more than tokens: nothing to check
+            return None
+        shape = getattr(out, "shape", None)
+        return int(shape[-1]) if shape is not None and len(shape) == 3 else None
+
     # ----------------------------------------------------------------------------------------------------------------
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         return batch_sharding(self.mesh, self.rules, ndim)

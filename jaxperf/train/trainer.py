@@ -25,7 +25,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxperf.config import TrainConfig, mesh_shape, to_dict, validate
+from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
 from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.parallel.mesh import make_mesh
@@ -52,7 +52,9 @@ class Trainer:
       tx: any optax transformation; default: AdamW with warm-up, cosine decay and clipping from cfg.optim.
       train_data / val_data: objects with `.batch(step, batch_size, rows=slice) -> dict of numpy arrays`; default:
         TokenDatasets over cfg.data.
-      tokenizer: the tokenizer of your data (default: the one cfg.data describes), for the sample at the end.
+      tokenizer: the tokenizer of your data (default: the one cfg.data describes), for the sample at the end and
+        the vocabulary check: a model whose output is smaller than the tokenizer's vocabulary is refused before
+        compiling (its targets would have no logit).
       devices: devices for the mesh (default all).
       flops_per_token: for MFU when bringing your own model (the built-in GPT's is computed from its config).
       hooks: more jaxperf.train.hooks.Hook objects, run after the default ones.
@@ -88,6 +90,8 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.mesh = make_mesh(cfg.parallel, devices)
         self.task = build_task(cfg, self.mesh, make_model, loss_fn=loss_fn, tx=tx)
+        if self.tokenizer is not None:
+            check_vocab(self.task, self.tokenizer, cfg.train_seq_len)
         self.rules = self.task.rules
         self.flops_per_token = flops_per_token if self.custom_model else flops_per_token_of(cfg)
         check_flavour(cfg.parallel.flavour, self.task)  # e.g. pmap with sharded parameters: refused before compiling
@@ -399,6 +403,19 @@ def _close_quietly(ckpt: Checkpointer) -> None:
         ckpt.close()
     except Exception:  # noqa: BLE001
         pass
+
+
+def check_vocab(task, tokenizer, seq_len: int) -> None:
+    """ConfigError, before compiling, when the model predicts fewer tokens than the tokenizer produces: a target id
+    without a logit gives NaN losses. The model's output size is traced abstractly once (`Task.output_size`); a model
+    not called on tokens alone is not checked."""
+    size = task.output_size(seq_len)
+    vocab = int(tokenizer.vocab_size)
+    if size is not None and size < vocab:
+        name = getattr(tokenizer, "name", type(tokenizer).__name__)
+        raise ConfigError(f"the model outputs {size} logits per token but the {name} tokenizer has {vocab} ids: give "
+                          f"the model an output of at least {vocab} (e.g. nnx.Embed({vocab}, ...)) or use a tokenizer "
+                          f"with at most {size} ids")
 
 
 def flops_per_token_of(cfg: TrainConfig) -> float:
