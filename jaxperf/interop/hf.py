@@ -344,10 +344,14 @@ def _check_overrides(overrides: dict) -> None:
                                 f"allowed: {list(RUNTIME_FIELDS)}")
 
 
-def hf_model_config(directory: str, **overrides) -> ModelConfig:
-    """The resolved jaxperf ModelConfig of a Hugging Face checkpoint, from its config.json alone (no tensor read).
+def hf_model_config(directory: str, *, check_weights: bool = False, **overrides) -> ModelConfig:
+    """The resolved jaxperf ModelConfig of a Hugging Face checkpoint, from its config.json.
 
-    `**overrides`: RUNTIME_FIELDS only (dtype, param_dtype, scan_layers, remat, kernels...)."""
+    With `check_weights` the safetensors headers are read too and every tensor checked for presence and shape (no
+    values are read): the errors `import_hf` would raise, raised now. `**overrides`: RUNTIME_FIELDS only (dtype,
+    param_dtype, scan_layers, remat, kernels...)."""
+    if check_weights:
+        return _plan(directory, **overrides).cfg
     _check_overrides(overrides)
     _, cfg, _ = _hf_config_to_jaxperf(_read_config(directory))
     return validate_model(dataclasses.replace(cfg, **overrides))
@@ -376,27 +380,35 @@ class _Plan:
     top: dict[str, tuple[str, _Part]]  # jaxperf path -> (full HF name, part)
     layer: dict[str, tuple[str, _Part]]  # per-layer jaxperf path -> (HF name relative to the layer, part)
 
-    def reader(self, path: tuple[str, ...], shape: tuple[int, ...]) -> Callable[[list[tuple[int, int]]], np.ndarray]:
-        """`read(index) -> np.ndarray`: a block of the leaf at `path` (zeros for a bias the checkpoint lacks)."""
+    def reader(self, path: tuple[str, ...], dtype) -> Callable[[list[tuple[int, int]]], np.ndarray]:
+        """`read(index) -> np.ndarray` in `dtype`: a block ((start, stop) per dim) of the leaf at `path` (zeros for
+        a bias the checkpoint lacks). A block of stacked layers is filled layer by layer, in place."""
+        zeros = lambda index: np.zeros([b - a for a, b in index], dtype)  # noqa: E731
         if path[0] != "blocks":
-            if ".".join(path) not in self.top:  # a bias the checkpoint lacks
-                return lambda index: np.zeros([b - a for a, b in index], np.float32)
+            if ".".join(path) not in self.top:
+                return zeros
             name, part = self.top[".".join(path)]
-            return lambda index: _read_part(self.src, name, part, index)
+            return lambda index: _read_part(self.src, name, part, index).astype(dtype, copy=False)
         stacked = self.cfg.scan_layers
-        rel = ".".join(path[1:] if stacked else path[2:])
-        source = self.layer.get(rel)
+        source = self.layer.get(".".join(path[1:] if stacked else path[2:]))
+        if source is None:
+            return zeros
+        name, part = source
 
-        def one(i: int, index):
-            if source is None:
-                return np.zeros([b - a for a, b in index], np.float32)
-            name, part = source
-            return _read_part(self.src, self.prefix + self.layer_fmt.format(i=i) + name, part, index)
+        def layer(i: int, index) -> np.ndarray:
+            full = self.prefix + self.layer_fmt.format(i=i) + name
+            return _read_part(self.src, full, part, index).astype(dtype, copy=False)
 
         if not stacked:
-            return lambda index: one(int(path[1]), index)
-        return lambda index: np.stack([one(i, index[1:]) for i in range(*index[0])]).reshape(
-            [b - a for a, b in index])
+            return lambda index: layer(int(path[1]), index)
+
+        def read(index):
+            out = np.empty([b - a for a, b in index], dtype)
+            for j, i in enumerate(range(*index[0])):
+                out[j] = layer(i, index[1:])
+            return out
+
+        return read
 
 
 def _plan(directory: str, **overrides) -> _Plan:
@@ -460,17 +472,17 @@ def import_hf(directory: str, **overrides) -> tuple[ModelConfig, dict]:
     """
     plan = _plan(directory, **overrides)
     leaves, treedef = _leaves(plan.cfg)
-    values = [plan.reader(path, leaf.shape)([(0, d) for d in leaf.shape]).astype(leaf.dtype) for path, leaf in leaves]
+    values = [plan.reader(path, leaf.dtype)([(0, d) for d in leaf.shape]) for path, leaf in leaves]
     return plan.cfg, _plain(jax.tree_util.tree_unflatten(treedef, values))
 
 
 def load_hf_params(directory: str, cfg: ModelConfig, shardings: Any) -> dict:
     """The checkpoint's parameters as jax Arrays placed with `shardings`, each device reading its own slice.
 
-    No host or device ever holds more of a tensor than its own shard: every parameter is assembled with
-    `jax.make_array_from_callback`, whose callback reads just the rows and columns of the HF tensor that make up the
-    device's block (memory-mapped safetensors), so a model larger than one device (or than the host's free memory in
-    one piece) loads onto a mesh that holds it.
+    No device ever holds more of a tensor than its own shard, and the host one device's block at a time: each block
+    is read from just the rows and columns of the HF tensor that make it up (memory-mapped safetensors), copied to
+    its device(s) and dropped (`_place`), so a model larger than one device, or than the host's free memory, loads
+    onto a mesh that holds it.
 
     Args:
       directory: the Hugging Face checkpoint.
@@ -486,17 +498,25 @@ def load_hf_params(directory: str, cfg: ModelConfig, shardings: Any) -> dict:
     if differ:
         raise HFCheckpointError(f"{directory} does not hold this model: {'; '.join(differ[:3])}")
     leaves, treedef = _leaves(plan.cfg)
-    flat_shardings = treedef.flatten_up_to(shardings)
-    arrays = []
-    for (path, leaf), sharding in zip(leaves, flat_shardings):
-        read = plan.reader(path, leaf.shape)
-
-        def callback(index, read=read, leaf=leaf):
-            spans = [s.indices(d)[:2] for s, d in zip(index, leaf.shape)]
-            return read(spans).astype(leaf.dtype)
-
-        arrays.append(jax.make_array_from_callback(leaf.shape, sharding, callback))
+    arrays = [_place(leaf.shape, sharding, plan.reader(path, leaf.dtype))
+              for (path, leaf), sharding in zip(leaves, treedef.flatten_up_to(shardings))]
     return _plain(jax.tree_util.tree_unflatten(treedef, arrays))
+
+
+def _place(shape: tuple[int, ...], sharding, read: Callable[[list[tuple[int, int]]], np.ndarray]) -> jax.Array:
+    """A global array from `read(block)`, one block at a time: each distinct block of this process's devices is
+    read, copied to the devices that hold it and dropped before the next one is read, so the host holds one
+    device's share of one parameter at a time (`jax.make_array_from_callback` would read every device's block
+    first)."""
+    blocks: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        blocks.setdefault(tuple(s.indices(d)[:2] for s, d in zip(index, shape)), []).append(device)
+    arrays = []
+    for block, devices in blocks.items():
+        host = read(list(block))
+        arrays += [jax.device_put(host, d, may_alias=False) for d in devices]
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _plain(tree):
@@ -608,7 +628,10 @@ def _host(x, layer: int | None = None) -> np.ndarray:
             lo, hi, _ = index[0].indices(x.shape[0])
             if not lo <= layer < hi:
                 continue
-            index, data = index[1:], data[layer - lo]
+            # On CPU the shard is host memory already: take the layer as a view. Elsewhere slice on the device, so
+            # that only this layer crosses to the host.
+            on_host = shard.device.platform == "cpu"
+            index, data = index[1:], (np.asarray(data)[layer - lo] if on_host else data[layer - lo])
         key = tuple(s.indices(d)[:2] for s, d in zip(index, shape))
         if key not in done:
             done.add(key)
