@@ -173,6 +173,10 @@ class TrainConfig:
     check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
+    # Start from existing weights: a Hugging Face GPT-2 / Llama directory (config.json, model*.safetensors,
+    # tokenizer.json) or a jaxperf run directory. The model and tokenizer come from it, the optimizer starts fresh;
+    # once run_dir has a checkpoint, resuming takes precedence (jaxperf.train.pretrained)
+    init_from: str | None = None
     resume: bool = True  # continue from the newest checkpoint in run_dir
     start_over: bool = False  # move an earlier run in run_dir to run_dir/previous/<time>/ and start from step 0
     sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)

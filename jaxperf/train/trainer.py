@@ -2,6 +2,7 @@
 
     trainer = Trainer(get_config("tiny"))                 # the built-in GPT on the default corpus
     trainer = Trainer(cfg, make_model=MyModel, loss_fn=my_loss, train_data=ds)   # research code brings its own
+    trainer = Trainer(cfg, init_from="path/to/hf-llama")   # fine-tune existing weights (jaxperf.train.pretrained)
     summary = trainer.fit()
 
 The host never waits on the device inside the loop: step n is dispatched before the metrics of step n-1 are read, so
@@ -12,6 +13,7 @@ the device always has the next step queued. Everything else the loop does is a h
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Callable
@@ -38,6 +40,7 @@ from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_de
 from jaxperf.step.task import LossFn, TrainState, build_task
 from jaxperf.train.checkpoint import Checkpointer, NoIntactCheckpointError
 from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
+from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
 
 
@@ -58,6 +61,10 @@ class Trainer:
       devices: devices for the mesh (default all).
       flops_per_token: for MFU when bringing your own model (the built-in GPT's is computed from its config).
       hooks: more jaxperf.train.hooks.Hook objects, run after the default ones.
+      init_from: start from existing weights (sets cfg.init_from): a Hugging Face GPT-2 / Llama directory or a
+        jaxperf run directory. The model config and tokenizer come from it, the parameters are loaded straight into
+        their shards, the optimizer starts fresh (jaxperf.train.pretrained). Once run_dir holds a checkpoint, the
+        run resumes from it instead.
     """
 
     def __init__(
@@ -73,10 +80,21 @@ class Trainer:
         devices: list[jax.Device] | None = None,
         flops_per_token: float | None = None,
         hooks: list[Hook] | None = None,
+        init_from: str | None = None,
     ):
         devices = list(jax.devices()) if devices is None else devices
         self.tokenizer = tokenizer
-        if train_data is None:  # the tokenizer settles the vocabulary before anything is checked
+        self.source, self.init_record = None, None
+        if init_from is not None:
+            cfg = dataclasses.replace(cfg, init_from=str(init_from))
+        if cfg.init_from:  # the checkpoint settles the model and the tokenizer
+            if make_model is not None:
+                raise ConfigError("init_from loads jaxperf's GPT from a checkpoint; a model of your own (make_model=) "
+                                  "starts from its own initialisation: drop one of them")
+            self.source = InitSource.open(cfg.init_from)
+            cfg = self.source.configure(cfg)
+            self.tokenizer = tokenizer or self.source.tokenizer(cfg)
+        elif train_data is None:  # the tokenizer settles the vocabulary before anything is checked
             self.tokenizer = tokenizer or tokenizer_for(cfg)
             cfg = with_vocab(cfg, self.tokenizer)
         self.mesh_shape = mesh_shape(cfg.parallel, len(devices))
@@ -141,16 +159,25 @@ class Trainer:
                     f"{self.cfg.seed}: the data order from here on differs from an uninterrupted run")
             where = f" (saved on mesh {meta['mesh']})" if meta.get("mesh") not in (None, self._mesh_text()) else ""
             log(f"resumed from {checkpointer.directory} at step {start}{where}")
+            self.init_record = meta.get("init_from")
             return state, start
+        if self.source is not None:
+            state, self.init_record = self.source.load(self.task, self.cfg.model)
+            log(f"initialised from {self.source.describe()}; the optimizer starts fresh")
+            return state, 0
         return self.task.init_state(), 0
 
     def _mesh_text(self) -> str:
         return " ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
 
     def metadata(self, data_step: int) -> dict:
-        """What a checkpoint records besides the arrays: the data position, seed, mesh and process count."""
-        return {"data_step": int(data_step), "seed": self.cfg.seed, "mesh": self._mesh_text(),
+        """What a checkpoint records besides the arrays: the data position, seed, mesh and process count, and where
+        the run's weights started from (init_from: the source, its special token ids and generation config)."""
+        meta = {"data_step": int(data_step), "seed": self.cfg.seed, "mesh": self._mesh_text(),
                 "processes": jax.process_count()}
+        if self.init_record is not None:
+            meta["init_from"] = self.init_record
+        return meta
 
     def evaluate(self, state: TrainState) -> float:
         _, eval_step = self._steps()
@@ -197,6 +224,8 @@ class Trainer:
                             keep_every=cfg.keep_checkpoints_every or None)
         try:
             start = 0
+            if self.source is not None:
+                _on_first_process(lambda: self.source.save_tokenizer(self.tokenizer), "saving the tokenizer")
             if state is None:
                 state, start = self.init_or_restore(ckpt)
             changes = _on_first_process(lambda: run.record_config(to_dict(cfg), start), "writing config.json")
@@ -252,7 +281,7 @@ class Trainer:
         """Text from the trained model (full recomputation over a fixed window: one compilation, no KV cache)."""
         if self.tokenizer is None or self.custom_model:
             raise ValueError("sampling needs the built-in GPT and a tokenizer")
-        window = self.cfg.model.max_seq_len
+        window = self.cfg.train_seq_len  # a checkpoint's max_seq_len can be far longer than the run's sequences
         vocab = self.tokenizer.vocab_size
         task = self.task
 
