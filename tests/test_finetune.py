@@ -244,6 +244,28 @@ def test_init_from_a_run_takes_its_weights_tokenizer_and_record(tmp_path):
     assert record["special_tokens"] == {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 
 
+@pytest.mark.slow
+def test_init_from_a_run_keeps_the_bpe_it_trained(tmp_path):
+    """A run whose BPE was trained on its own corpus (no tokenizer file) is continued on another text: the new run
+    keeps that BPE as run_dir/tokenizer.json (a BPE trained on the new text would scramble every id)."""
+    (tmp_path / "story.txt").write_text(STORY)
+    (tmp_path / "other.txt").write_text("A different text, with different words in it. " * 50)
+    small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "seq_len=16",
+             "batch_size=8", "max_steps=1", "eval_every=0", "eval_batches=0", "checkpoint_every=0", "sample_tokens=0",
+             "tensorboard=false", "compile_cache_dir=", f"data.cache_dir={tmp_path}/cache"]
+    first = Trainer(get_config("tiny", [*small, "data.tokenizer=bpe", "model.vocab_size=300",
+                                        f"data.source={tmp_path}/story.txt", f"run_dir={tmp_path}/first"]))
+    first.fit()
+    second = Trainer(get_config("tiny", [*small, f"data.source={tmp_path}/other.txt", f"run_dir={tmp_path}/second",
+                                         f"init_from={tmp_path}/first"]))
+    kept = tmp_path / "second" / "tokenizer.json"
+    assert (second.cfg.data.tokenizer, second.cfg.data.tokenizer_path) == ("bpe", str(kept))
+    assert second.tokenizer.fingerprint == first.tokenizer.fingerprint
+    second.fit()
+    assert kept.exists()
+    assert Generator.from_checkpoint(tmp_path / "second").tokenizer.fingerprint == first.tokenizer.fingerprint
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Host memory: one shard at a time
 
