@@ -1,4 +1,4 @@
-"""Fine-tune a Hugging Face model with jaxperf on a text file, export it, and generate from the export with transformers.
+"""Fine-tune a Hugging Face model with jaxperf on a text file, export it, and generate from it with transformers.
 
     python examples/07_finetune_hf.py                                    # a random tiny Llama built here (no network)
     python examples/07_finetune_hf.py --model path/to/hf-llama --text notes.txt max_steps=200 seq_len=256

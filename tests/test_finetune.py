@@ -20,7 +20,7 @@ import pytest
 
 from helpers import cli_env, hf_tokenizer, losses, run_cli
 from jaxperf.config import ConfigError, ParallelConfig, from_dict, get_config
-from jaxperf.data import HFTokenizer, datasets_for, tokenizer_for
+from jaxperf.data import datasets_for, tokenizer_for
 from jaxperf.generate import Generator
 from jaxperf.interop._safetensors import write_shards
 from jaxperf.parallel.mesh import make_mesh

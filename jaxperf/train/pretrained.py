@@ -96,8 +96,8 @@ def merge_model(requested: ModelConfig, checkpoint: ModelConfig, changeable: Col
             clashes.append(f"model.{f.name}={want!r} contradicts the checkpoint's {f.name}={have!r}")
     if clashes:
         more = f" (and {len(clashes) - 1} more)" if len(clashes) > 1 else ""
-        raise ConfigError(f"init_from={source}: {clashes[0]}{more}; the model comes from the checkpoint: drop the "
-                          f"override (only {', '.join(changeable)} may change)")
+        raise ConfigError(f"init_from={source}: {clashes[0]}{more}; the model comes from the checkpoint: drop that "
+                          f"setting (only {', '.join(changeable)} may differ)")
     return validate_model(dataclasses.replace(checkpoint, **changes))
 
 
@@ -231,8 +231,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
             tokenizer.save(out_dir / "tokenizer.json")
             tokenizer_file = str(out_dir / "tokenizer.json")
     return export_hf(cfg.model, restored["params"], str(out_dir), arch,
-                     special_tokens=_special_tokens(record, tokenizer), generation_config=record.get("generation_config"),
-                     tokenizer=tokenizer_file, max_shard_size=max_shard_size, dtype=dtype)
+                     special_tokens=_special_tokens(record, tokenizer),
+                     generation_config=record.get("generation_config"), tokenizer=tokenizer_file,
+                     max_shard_size=max_shard_size, dtype=dtype)
 
 
 def load_hf_tokenizer(directory: str | Path) -> HFTokenizer:

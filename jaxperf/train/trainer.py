@@ -52,7 +52,8 @@ class Trainer:
       make_model: `rngs -> nnx.Module` whose parameters carry logical axes; default: the built-in GPT of cfg.model.
       loss_fn: `(model, batch) -> (mean_loss, aux)`; default: the built-in GPT's loss, or masked next-token
         cross-entropy from logits for a model of your own.
-      tx: any optax transformation; default: AdamW with warm-up, cosine decay and clipping from cfg.optim.
+      tx: any optax transformation (its state sharded like the parameters, checkpointed and resumed); default: AdamW
+        with warm-up, cosine decay (or `optim.schedule=constant`) and clipping from cfg.optim.
       train_data / val_data: objects with `.batch(step, batch_size, rows=slice) -> dict of numpy arrays`; default:
         TokenDatasets over cfg.data.
       tokenizer: the tokenizer of your data (default: the one cfg.data describes), for the sample at the end and
