@@ -464,8 +464,8 @@ def import_hf(directory: str, **overrides) -> tuple[ModelConfig, dict]:
 
     Returns:
       (cfg, params): a resolved ModelConfig reproducing the HF model (float32, vocab_multiple=1) and the pure-dict
-      parameters as numpy arrays in cfg.param_dtype, layers stacked on a leading axis when cfg.scan_layers. For a
-      model that should not pass through one host array per tensor, `load_hf_params` places each device's slice.
+      parameters as numpy arrays in cfg.param_dtype, layers stacked on a leading axis when cfg.scan_layers. The
+      whole model passes through the host; `load_hf_params` instead places each device's block on its own.
 
     Raises HFCheckpointError before anything is compiled for unsupported architectures or settings, missing or
     unexpected tensors and shape mismatches.
