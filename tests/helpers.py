@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from jaxperf.parallel.mesh import make_mesh
@@ -70,6 +71,20 @@ def fixed_batch(batch: int = 8, seq: int = 32, vocab: int = 256, seed: int = 0, 
     mask = np.ones((batch, seq), np.float32)
     mask[:, :masked_prefix] = 0.0
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+def hf_tokenizer(directory, text: str, vocab_size: int = 300, specials=("<s>", "</s>", "<pad>")) -> Tokenizer:
+    """A byte-level BPE (GPT-2's pre-tokenization) trained on `text`, saved as directory/tokenizer.json: what a
+    Hugging Face model directory ships. The special tokens get ids 0, 1, 2..."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer=trainer)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    tok.save(str(Path(directory) / "tokenizer.json"))
+    return tok
 
 
 # ---------------------------------------------------------------------------------------------------------------------

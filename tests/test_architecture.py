@@ -20,7 +20,7 @@ ALLOWED = {
     "perf": {"_compat", "config", "parallel", "models"},
     "step": {"_compat", "config", "parallel", "models", "perf"},
     "explicit": {"_compat", "config", "parallel", "models", "step"},
-    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit"},
+    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "interop"},
     "generate": {"_compat", "config", "data", "parallel", "models", "perf", "step", "train"},
     "interop": {"_compat", "config", "data", "parallel", "models", "step"},
     "cli": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "train", "generate",

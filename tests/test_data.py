@@ -1,5 +1,6 @@
 """Tests for jaxperf.data: tokenizers, sources, batches, global arrays and the prefetcher (CPU, 8 devices)."""
 
+import json
 import os
 import threading
 import time
@@ -10,6 +11,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxperf import data
+from jaxperf.config import ConfigError, get_config
 from jaxperf.data import sources
 
 TEXT = (
@@ -47,7 +49,7 @@ def test_bpe_train_round_trip_and_save_load(tmp_path):
 
 def test_get_tokenizer_kinds_and_bpe_cache(tmp_path):
     assert isinstance(data.get_tokenizer("byte"), data.ByteTokenizer)
-    with pytest.raises(ValueError, match="byte, bpe"):
+    with pytest.raises(ValueError, match="byte, bpe, hf"):
         data.get_tokenizer("wordpiece")
     calls = []
 
@@ -62,6 +64,30 @@ def test_get_tokenizer_kinds_and_bpe_cache(tmp_path):
     np.testing.assert_array_equal(second.encode(TEXT), first.encode(TEXT))
     path = next(tmp_path.glob("bpe-*.json"))
     assert data.get_tokenizer("bpe", path=str(path)).fingerprint == first.fingerprint
+
+
+def test_hf_tokenizer_reads_the_special_ids_its_directory_declares(tmp_path):
+    """config.json first, then generation_config.json, then tokenizer_config.json's token strings; None otherwise."""
+    bpe = data.BPETokenizer.train([TEXT] * 4, vocab_size=300)
+    bpe.save(tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 5, "eos_token_id": [7, 8]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, "pad_token_id": 9}))
+    tok = data.get_tokenizer("hf", path=str(tmp_path))  # the directory or its tokenizer.json
+    assert (tok.name, tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == ("hf", 5, 7, 9, bpe.vocab_size)
+    np.testing.assert_array_equal(tok.encode(TEXT), bpe.encode(TEXT))
+    assert tok.fingerprint.startswith("hf-") and tok.fingerprint != bpe.fingerprint  # its own token cache
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    tok = data.HFTokenizer.from_file(tmp_path / "tokenizer.json")
+    assert (tok.bos_id, tok.eos_id, tok.pad_id) == (None, bpe.eos_id, None)
+    cfg = get_config("tiny", ["data.tokenizer=hf", f"data.tokenizer_path={tmp_path}"])
+    assert data.tokenizer_for(cfg).vocab_size == bpe.vocab_size
+    with pytest.raises(ConfigError, match="data.tokenizer=hf reads a Hugging Face tokenizer.json: set "
+                                          "data.tokenizer_path"):
+        data.tokenizer_for(get_config("tiny", ["data.tokenizer=hf"]))
+    with pytest.raises(ConfigError, match=r"data.tokenizer_path: .*nowhere not found: a Hugging Face"):
+        data.tokenizer_for(get_config("tiny", ["data.tokenizer=hf", f"data.tokenizer_path={tmp_path}/nowhere"]))
 
 
 # --- sources ----------------------------------------------------------------------------------------------------------

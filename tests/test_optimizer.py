@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig
+from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
@@ -19,6 +20,14 @@ def test_schedule_warms_up_then_decays_to_the_floor():
     np.testing.assert_allclose([sched(0), sched(4), sched(9)], [0.1, 0.5, 1.0], rtol=1e-6)
     assert float(sched(59)) < 1.0 and float(sched(59)) > 0.5
     np.testing.assert_allclose(sched(109), 0.1, rtol=1e-5)
+
+
+def test_constant_schedule_is_one_setting():
+    cfg = get_config("tiny", ["optim.schedule=constant", "lr=3e-4"]).optim
+    sched = lr_schedule(cfg, max_steps=100)
+    np.testing.assert_allclose([sched(s) for s in (0, 1, 49, 99, 500)], [3e-4] * 5, rtol=1e-7)
+    with pytest.raises(ConfigError, match="choose one of warmup_cosine, constant"):
+        get_config("tiny", ["optim.schedule=flat"])
 
 
 def test_no_weight_decay_on_norms_and_biases():

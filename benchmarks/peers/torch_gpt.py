@@ -111,7 +111,7 @@ class Block(nn.Module):
         if self.w_gate is not None:
             u = F.silu(h @ self.w_gate.to(h.dtype)) * u
         else:
-            u = F.gelu(u, approximate="tanh")
+            u = F.gelu(u, approximate="none" if self.m["mlp_act"] == "gelu_exact" else "tanh")
         return x_BxLxD + self._lin(u, self.w_out, self.b_out)
 
 

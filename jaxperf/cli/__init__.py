@@ -1,6 +1,7 @@
 """The `jaxperf` command: one module per subcommand, each with `main(argv) -> exit code`.
 
     jaxperf train [--preset NAME] [key=value ...]     jaxperf.cli.train
+    jaxperf export --checkpoint DIR --out HF_DIR      jaxperf.cli.export
     jaxperf info  [--preset NAME] [key=value ...]     jaxperf.cli.info
     jaxperf compile --topology v5p:4x4x4 ...          jaxperf.cli.compile
     jaxperf generate --checkpoint DIR --prompt ...    jaxperf.cli.generate
@@ -20,7 +21,8 @@ from jaxperf.perf.hostmem import reexec_with_huge_pages
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("jaxperf.cli.train", "train a model"),
+    "train": ("jaxperf.cli.train", "train a model (init_from=DIR: fine-tune a Hugging Face model or a run)"),
+    "export": ("jaxperf.cli.export", "write a run's checkpoint as a Hugging Face model directory"),
     "info": ("jaxperf.cli.info", "devices, the mesh a run would use, peak FLOP/s, versions"),
     "compile": ("jaxperf.cli.compile", "compile the train step for a TPU slice on this machine"),
     "generate": ("jaxperf.cli.generate", "continue a prompt from a run's checkpoint"),

@@ -1,4 +1,5 @@
-"""`jaxperf generate`: continue a prompt with a trained run's newest checkpoint, printing text as it is produced.
+"""`jaxperf generate`: continue a prompt with a trained run's newest checkpoint (or a Hugging Face model directory),
+printing text as it is produced.
 
     jaxperf generate --checkpoint runs/tiny --prompt "def " --max-tokens 200 --temperature 0.8 --top-p 0.95
 """
@@ -8,13 +9,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxperf.generate.engine import Generator, TextStream
+from jaxperf.cli._load import load_generator
+from jaxperf.config import ConfigError
+from jaxperf.generate.engine import TextStream
 from jaxperf.generate.sampling import check_settings
+from jaxperf.interop import HFCheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxperf generate", description="Generate text from a training run's checkpoint.")
-    p.add_argument("--checkpoint", required=True, help="run_dir of a `jaxperf train` run (config.json + checkpoints/)")
+    p.add_argument("--checkpoint", required=True, help="run_dir of a `jaxperf train` run (config.json + checkpoints/), "
+                                                        "or a Hugging Face GPT-2 / Llama directory")
     p.add_argument("--prompt", required=True, help="text to continue")
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -33,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxperf generate: {e}", file=sys.stderr)
         return 2
-    gen = Generator.from_checkpoint(args.checkpoint)
+    try:
+        gen = load_generator(args.checkpoint)
+    except (ConfigError, HFCheckpointError) as e:
+        print(f"jaxperf generate: {e}", file=sys.stderr)
+        return 2
     print(args.prompt, end="", flush=True)
     text = TextStream(gen.tokenizer)
     stream = gen.stream([args.prompt], args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -1,4 +1,5 @@
-"""`jaxperf serve --checkpoint DIR`: an HTTP API over a run's newest checkpoint (jaxperf.generate.server)."""
+"""`jaxperf serve --checkpoint DIR`: an HTTP API over a run's newest checkpoint or a Hugging Face model directory
+(jaxperf.generate.server)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxperf.generate.engine import Generator
+from jaxperf.cli._load import load_generator
+from jaxperf.config import ConfigError
 from jaxperf.generate.server import create_app
+from jaxperf.interop import HFCheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxperf serve", description="Serve a training run's checkpoint over HTTP.")
-    p.add_argument("--checkpoint", required=True, help="run_dir of a `jaxperf train` run (config.json + checkpoints/)")
+    p.add_argument("--checkpoint", required=True, help="run_dir of a `jaxperf train` run (config.json + checkpoints/), "
+                                                        "or a Hugging Face GPT-2 / Llama directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together at most")
@@ -32,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not (Path(args.checkpoint) / "config.json").exists():
         print(f"jaxperf serve: {args.checkpoint}/config.json not found; --checkpoint takes the run_dir of a "
-              "`jaxperf train` run", file=sys.stderr)
+              "`jaxperf train` run or a Hugging Face model directory", file=sys.stderr)
         return 2
-    gen = Generator.from_checkpoint(args.checkpoint)
+    try:
+        gen = load_generator(args.checkpoint)
+    except (ConfigError, HFCheckpointError) as e:
+        print(f"jaxperf serve: {e}", file=sys.stderr)
+        return 2
     app = create_app(gen, max_batch=args.max_batch, batch_window_s=args.batch_window_ms / 1000, chunk=args.chunk,
                      max_tokens_limit=args.max_tokens_limit)
     if not args.no_warmup:

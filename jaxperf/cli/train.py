@@ -13,19 +13,30 @@ import sys
 
 import jax
 
-from jaxperf.config import ConfigError, get_config
+from jaxperf.config import ConfigError, TrainConfig, get_config
+from jaxperf.config.overrides import keys, parse_overrides, resolve_key
 from jaxperf.data.loader import DataError
 from jaxperf.parallel import distributed
 from jaxperf.train.checkpoint import CheckpointPermissionError, CheckpointSaveError, IncompatibleCheckpointError
+from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import RunDirError
 from jaxperf.train.trainer import Trainer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxperf train", description="Train a model.")
+    p = argparse.ArgumentParser(prog="jaxperf train", description="Train a model, or fine-tune one with init_from=DIR "
+                                                                  "(a Hugging Face GPT-2 / Llama directory or a "
+                                                                  "jaxperf run directory).")
     p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. max_steps=20 model.n_layers=2)")
     return p
+
+
+def _named_model_fields(overrides: list[str]) -> set[str]:
+    """The model fields the command line sets (with init_from, the preset's model gives way to the checkpoint's)."""
+    known = keys(TrainConfig())
+    named = (resolve_key(k, known) for k in parse_overrides(overrides))
+    return {k.removeprefix("model.") for k in named if k.startswith("model.")}
 
 
 def _fail(message: str, code: int) -> int:
@@ -37,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = get_config(args.preset, args.overrides)
+        if cfg.init_from:  # an override that contradicts the checkpoint is refused, even one equal to a default
+            cfg = InitSource.open(cfg.init_from).configure(cfg, _named_model_fields(args.overrides))
         distributed.initialize()  # a no-op unless the environment describes several processes
         trainer = Trainer(cfg)
     except (ConfigError, DataError, ValueError) as e:

@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 Style = Literal["gpt2", "llama"]  # gpt2: LayerNorm, learned positions, GELU, MHA; llama: RMSNorm, RoPE, SwiGLU, GQA
 Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
-MlpAct = Literal["gelu", "swiglu"]
+# gelu: GELU's tanh approximation (GPT-2's `gelu_new`); gelu_exact: the erf form (HF `activation_function: "gelu"`)
+MlpAct = Literal["gelu", "gelu_exact", "swiglu"]
 Remat = Literal["none", "full", "save_dots", "save_dots_no_batch", "save_attn_proj"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
@@ -32,10 +33,11 @@ NormImpl = Literal["auto", "xla", "pallas"]
 LossImpl = Literal["auto", "xla", "pallas", "chunked"]
 Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
-Tokenizer = Literal["byte", "bpe"]
+Tokenizer = Literal["byte", "bpe", "hf"]
 LossScale = Literal["auto", "dynamic", "none"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 ContextLayout = Literal["zigzag", "contiguous"]
+LrSchedule = Literal["warmup_cosine", "constant"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class ModelConfig:
     n_heads: int = 4
     n_kv_heads: int | None = None  # None = n_heads (multi-head); fewer = grouped-query; 1 = multi-query
     head_dim: int | None = None  # None = d_model // n_heads
-    mlp_dim: int | None = None  # None = 4 * d_model (gelu) or 8/3 * d_model rounded up to 64 (swiglu)
+    mlp_dim: int | None = None  # None = 4 * d_model (gelu, gelu_exact) or 8/3 * d_model rounded up to 64 (swiglu)
     norm: Norm | None = None
     position: Position | None = None
     mlp_act: MlpAct | None = None
@@ -105,6 +107,9 @@ class ModelConfig:
 class OptimConfig:
     """AdamW with linear warm-up, cosine decay to `min_lr_ratio * lr`, and global-norm clipping."""
 
+    # warmup_cosine: warmup_steps up to lr, cosine down to min_lr_ratio * lr at decay_steps. constant: lr at every step
+    # (warmup_steps, min_lr_ratio and decay_steps unused), e.g. for fine-tuning
+    schedule: LrSchedule = "warmup_cosine"
     lr: float = 1e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -145,8 +150,10 @@ class DataConfig:
     """Where tokens come from. The default corpus is the Python standard library's own source (always present)."""
 
     source: str = "stdlib"  # "stdlib" | a text file or glob | a token file "x.bin" or "x.bin:uint32"
-    tokenizer: Tokenizer = "byte"  # bpe: trained on the corpus with model.vocab_size, or from tokenizer_path
-    tokenizer_path: str | None = None  # a tokenizer.json for "bpe"
+    # bpe: trained on the corpus with model.vocab_size, or from tokenizer_path. hf: a Hugging Face model's own
+    # tokenizer.json (tokenizer_path; init_from= a Hugging Face directory sets both)
+    tokenizer: Tokenizer = "byte"
+    tokenizer_path: str | None = None  # a tokenizer.json for "bpe"; for "hf" also the model directory that holds it
     max_bytes: int | None = None  # use only this prefix of a text corpus
     val_fraction: float = 0.01  # tail of the token stream held out for evaluation
     cache_dir: str = "~/.cache/jaxperf"  # tokenizer and tokenized-corpus cache
@@ -176,6 +183,10 @@ class TrainConfig:
     check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
+    # Start from existing weights: a Hugging Face GPT-2 / Llama directory (config.json, model*.safetensors,
+    # tokenizer.json) or a jaxperf run directory. The model and tokenizer come from it, the optimizer starts fresh;
+    # once run_dir has a checkpoint, resuming takes precedence (jaxperf.train.pretrained)
+    init_from: str | None = None
     resume: bool = True  # continue from the newest checkpoint in run_dir
     start_over: bool = False  # move an earlier run in run_dir to run_dir/previous/<time>/ and start from step 0
     sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)

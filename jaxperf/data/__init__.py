@@ -11,12 +11,13 @@ Example:
 from jaxperf.data.datasets import datasets_for, tokenizer_for, with_vocab
 from jaxperf.data.loader import DataError, Prefetcher, TokenDataset, process_rows, to_global_array
 from jaxperf.data.sources import corpus_texts, load_tokens, source_fingerprint, split_tokens, stdlib_corpus_files
-from jaxperf.data.tokenizer import BPETokenizer, ByteTokenizer, get_tokenizer
+from jaxperf.data.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer, get_tokenizer, special_token_ids
 
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
     "DataError",
+    "HFTokenizer",
     "Prefetcher",
     "TokenDataset",
     "corpus_texts",
@@ -25,6 +26,7 @@ __all__ = [
     "load_tokens",
     "process_rows",
     "source_fingerprint",
+    "special_token_ids",
     "split_tokens",
     "stdlib_corpus_files",
     "to_global_array",

@@ -19,10 +19,19 @@ from jaxperf.data.tokenizer import get_tokenizer
 
 
 def tokenizer_for(cfg: TrainConfig):
-    """The tokenizer cfg.data describes: byte, or BPE from `tokenizer_path`, the cache, or trained on the corpus."""
+    """The tokenizer cfg.data describes: byte; BPE from `tokenizer_path`, the cache, or trained on the corpus; or a
+    Hugging Face model's tokenizer.json (`hf`, from `tokenizer_path`)."""
     d = cfg.data
     if d.tokenizer == "byte":
         return get_tokenizer("byte")
+    if d.tokenizer == "hf":
+        if not d.tokenizer_path:
+            raise ConfigError("data.tokenizer=hf reads a Hugging Face tokenizer.json: set data.tokenizer_path to it "
+                              "(or to its model directory), or start from the model with init_from=DIR")
+        try:
+            return get_tokenizer("hf", path=os.path.expanduser(d.tokenizer_path))
+        except FileNotFoundError as e:
+            raise ConfigError(f"data.tokenizer_path: {e}") from None
     return get_tokenizer(d.tokenizer, vocab_size=cfg.model.vocab_size, path=d.tokenizer_path,
                          texts_fn=lambda: corpus_texts(d.source, max_bytes=d.max_bytes),
                          cache_dir=os.path.expanduser(d.cache_dir),

@@ -1,8 +1,9 @@
-"""Tokenizers: a file-free byte tokenizer and a byte-level BPE built on HF `tokenizers`.
+"""Tokenizers: a file-free byte tokenizer, a byte-level BPE built on HF `tokenizers`, and any Hugging Face model's own
+`tokenizer.json`.
 
 Both share one small interface that the rest of jaxperf relies on:
 
-    tok.name          "byte" | "bpe"
+    tok.name          "byte" | "bpe" | "hf"
     tok.vocab_size    number of ids (every id is < vocab_size)
     tok.eos_id        id of the end-of-text token, or None
     tok.fingerprint   a short string that changes whenever the id mapping changes (used in cache keys)
@@ -19,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import pathlib
 from collections.abc import Callable, Iterable, Sequence
@@ -27,7 +29,8 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
-TOKENIZER_KINDS = ("byte", "bpe")
+TOKENIZER_KINDS = ("byte", "bpe", "hf")
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class ByteTokenizer:
@@ -71,7 +74,7 @@ class BPETokenizer:
         self.vocab_size = int(tokenizer.get_vocab_size(with_added_tokens=True))
         self.eos_id = tokenizer.token_to_id(EOS_TOKEN)
         digest = hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()[:16]
-        self.fingerprint = f"bpe-{self.vocab_size}-{digest}"
+        self.fingerprint = f"{self.name}-{self.vocab_size}-{digest}"
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> BPETokenizer:
@@ -128,6 +131,79 @@ class BPETokenizer:
         return f"BPETokenizer(vocab_size={self.vocab_size})"
 
 
+class HFTokenizer(BPETokenizer):
+    """The `tokenizer.json` of a Hugging Face model (any `tokenizers` model: BPE, Unigram, WordPiece), with the special
+    token ids its directory declares.
+
+    `bos_id`, `eos_id` and `pad_id` come from the directory's config.json, else generation_config.json, else the token
+    strings of tokenizer_config.json (see `special_token_ids`); each is None when nothing declares it. Text is encoded
+    without added special tokens, as a token stream for training.
+    """
+
+    name = "hf"
+
+    def __init__(self, tokenizer, special: dict[str, int | None] | None = None, path: str | None = None):
+        super().__init__(tokenizer)
+        special = special or {}
+        self.bos_id = special.get("bos_token_id")
+        self.eos_id = special.get("eos_token_id")
+        self.pad_id = special.get("pad_token_id")
+        self.path = path  # the tokenizer.json read
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> HFTokenizer:
+        """Loads `path`: a tokenizer.json, or a model directory that holds one."""
+        path = pathlib.Path(path).expanduser()
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a Hugging Face model directory holds its tokenizer as "
+                                    f"tokenizer.json (save it with tokenizer.save_pretrained(dir))")
+        tok = Tokenizer.from_file(str(file))
+        return cls(tok, special_token_ids(file.parent, tok), str(file.resolve()))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(vocab_size={self.vocab_size}, path={self.path!r})"
+
+
+def _first_id(value) -> int | None:
+    """A token id as config files write it: an int, a list of ints (the first is the main one), or null."""
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def special_token_ids(directory: str | os.PathLike, tokenizer=None) -> dict[str, int | None]:
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} of a Hugging Face model directory.
+
+    Each id is taken from config.json, else generation_config.json, else (with a `tokenizers.Tokenizer`) the token
+    string tokenizer_config.json names (`"eos_token": "</s>"`); None when none of them says.
+    """
+    directory = pathlib.Path(directory)
+    config = _read_json(directory / "config.json")
+    generation = _read_json(directory / "generation_config.json")
+    tok_config = _read_json(directory / "tokenizer_config.json")
+    out: dict[str, int | None] = {}
+    for key in SPECIAL_TOKENS:
+        value = _first_id(config.get(key))
+        if value is None:
+            value = _first_id(generation.get(key))
+        if value is None and tokenizer is not None:
+            token = tok_config.get(key.removesuffix("_id"))
+            token = token.get("content") if isinstance(token, dict) else token
+            value = tokenizer.token_to_id(token) if isinstance(token, str) else None
+        out[key] = value
+    return out
+
+
 def _hash_texts(texts: Iterable[str]) -> str:
     h = hashlib.sha256()
     for t in texts:
@@ -148,9 +224,10 @@ def get_tokenizer(
     """Builds, loads or trains a tokenizer.
 
     Args:
-        kind: "byte" or "bpe".
+        kind: "byte", "bpe" or "hf".
         vocab_size: BPE only: target vocabulary size when training.
-        path: BPE only: a tokenizer.json to load; no training happens.
+        path: BPE: a tokenizer.json to load (no training happens); hf (required): a Hugging Face model's tokenizer.json
+            or the directory that holds it.
         texts_fn: BPE only: returns the training texts (called at most twice: once to hash if `cache_key` is None,
             once to train).
         cache_dir: BPE only: where trained tokenizers are kept as `bpe-<hash>.json`; a second call with the same texts
@@ -159,13 +236,17 @@ def get_tokenizer(
             the texts themselves are hashed.
 
     Returns:
-        a `ByteTokenizer` or `BPETokenizer`.
+        a `ByteTokenizer`, `BPETokenizer` or `HFTokenizer`.
 
     Example:
         >>> tok = get_tokenizer("bpe", vocab_size=4096, texts_fn=lambda: corpus_texts("stdlib"), cache_dir="~/.cache")
     """
     if kind == "byte":
         return ByteTokenizer()
+    if kind == "hf":
+        if path is None:
+            raise ValueError("the hf tokenizer needs path=<tokenizer.json or the model directory that holds it>")
+        return HFTokenizer.from_file(path)
     if kind != "bpe":
         raise ValueError(f"unknown tokenizer kind {kind!r}; valid kinds: {', '.join(TOKENIZER_KINDS)}")
     if path is not None:

@@ -1,5 +1,9 @@
 """Interoperability with other ecosystems' checkpoints: Hugging Face GPT-2 and Llama (safetensors) in and out."""
 
-from jaxperf.interop.hf import RUNTIME_FIELDS, SUPPORTED, HFCheckpointError, export_hf, import_hf, load_hf_model
+from jaxperf.interop.hf import (
+    EXPORT_DTYPES, RUNTIME_FIELDS, SUPPORTED, HFCheckpointError, export_hf, hf_model_config, import_hf, load_hf_model,
+    load_hf_params, read_generation_config,
+)
 
-__all__ = ["HFCheckpointError", "RUNTIME_FIELDS", "SUPPORTED", "export_hf", "import_hf", "load_hf_model"]
+__all__ = ["EXPORT_DTYPES", "HFCheckpointError", "RUNTIME_FIELDS", "SUPPORTED", "export_hf", "hf_model_config",
+           "import_hf", "load_hf_model", "load_hf_params", "read_generation_config"]

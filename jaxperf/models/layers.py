@@ -252,7 +252,11 @@ def decode_attention(q_Bx1xHxDh, k_cache_BxSxKxDh, v_cache_BxSxKxDh, lengths_B):
 
 
 class MLP(nnx.Module):
-    """GELU MLP (GPT-2) or SwiGLU (Llama)."""
+    """GELU MLP (GPT-2) or SwiGLU (Llama).
+
+    `mlp_act="gelu"` is the tanh approximation of GELU (GPT-2's own, HF `gelu_new`); `"gelu_exact"` the erf form (HF
+    `gelu`), which checkpoints trained with PyTorch's default `nn.GELU` need to reproduce their logits.
+    """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.mlp_dim
@@ -277,7 +281,7 @@ class MLP(nnx.Module):
             gate = _column(x_BxLxD, self.w_gate_DxF[...].astype(dt), hooks, self.grad_barrier)
             h = jax.nn.silu(gate) * h
         else:
-            h = jax.nn.gelu(h, approximate=True)
+            h = jax.nn.gelu(h, approximate=self.act != "gelu_exact")
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = _row(h_BxLxF, self.w_out_FxD[...].astype(dt), 1, hooks, self.grad_barrier)
         if self.bias_out_D is not None:

@@ -1,4 +1,5 @@
-"""AdamW with linear warm-up and cosine decay, global-norm clipping, and no weight decay on norms and biases."""
+"""AdamW with linear warm-up and cosine decay (or a constant learning rate), global-norm clipping, and no weight
+decay on norms and biases."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from jaxperf.config import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, max_steps: int) -> optax.Schedule:
-    """Linear warm-up to `lr` over `warmup_steps`, then cosine decay to `min_lr_ratio * lr` at `decay_steps`.
+    """`cfg.schedule`: "warmup_cosine" is a linear warm-up to `lr` over `warmup_steps`, then cosine decay to
+    `min_lr_ratio * lr` at `decay_steps`; "constant" is `lr` at every step.
 
     Step 0 already gets lr / warmup_steps (a first update with learning rate 0 would be wasted).
     """
+    if cfg.schedule == "constant":
+        return optax.constant_schedule(cfg.lr)
     decay_steps = max(cfg.decay_steps or max_steps, cfg.warmup_steps + 1)
     base = optax.warmup_cosine_decay_schedule(
         init_value=0.0,

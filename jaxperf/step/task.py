@@ -223,6 +223,30 @@ class Task:
         """Parameters and optimizer state created directly in their shards (never whole on one device)."""
         return jax.jit(self._init, out_shardings=self.state_shardings())()
 
+    def init_state_from(self, params: Any) -> TrainState:
+        """A fresh TrainState around given parameters (a pretrained checkpoint's, placed with `param_shardings`):
+        step 0, new optimizer state and health. `params` is donated: its buffers become the state's, so the
+        parameters are never held twice."""
+
+        def init(p):
+            fresh = self._init()  # its random parameters are unused, so XLA never computes them
+            return fresh.replace(params=p, opt_state=self._require_tx().init(p))
+
+        return jax.jit(init, in_shardings=(self.param_shardings,), out_shardings=self.state_shardings(),
+                       donate_argnums=0)(params)
+
+    def output_size(self, seq_len: int) -> int | None:
+        """The last dim of `model(tokens)` for int32 tokens [1, seq_len], traced abstractly (nothing is computed or
+        allocated): the vocabulary the model can predict. None for a model that is not called on tokens alone or
+        does not return [B, L, V] logits."""
+        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+        try:
+            out = jax.eval_shape(lambda p, t: self.merge(p)(t), self.abstract_params, tokens)
+        except Exception:  # noqa: BLE001 - a model that needs more than tokens: nothing to check
+            return None
+        shape = getattr(out, "shape", None)
+        return int(shape[-1]) if shape is not None and len(shape) == 3 else None
+
     # ----------------------------------------------------------------------------------------------------------------
     def batch_sharding(self, ndim: int = 2) -> NamedSharding:
         return batch_sharding(self.mesh, self.rules, ndim)

@@ -2,6 +2,7 @@
 
     trainer = Trainer(get_config("tiny"))                 # the built-in GPT on the default corpus
     trainer = Trainer(cfg, make_model=MyModel, loss_fn=my_loss, train_data=ds)   # research code brings its own
+    trainer = Trainer(cfg, init_from="path/to/hf-llama")   # fine-tune existing weights (jaxperf.train.pretrained)
     summary = trainer.fit()
 
 The host never waits on the device inside the loop: step n is dispatched before the metrics of step n-1 are read, so
@@ -12,6 +13,7 @@ the device always has the next step queued. Everything else the loop does is a h
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Callable
@@ -25,7 +27,7 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxperf.config import TrainConfig, mesh_shape, to_dict, validate
+from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
 from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
@@ -40,6 +42,7 @@ from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_de
 from jaxperf.step.task import LossFn, TrainState, build_task, step_microbatches
 from jaxperf.train.checkpoint import Checkpointer, NoIntactCheckpointError
 from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
+from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
 
 
@@ -51,13 +54,20 @@ class Trainer:
       make_model: `rngs -> nnx.Module` whose parameters carry logical axes; default: the built-in GPT of cfg.model.
       loss_fn: `(model, batch) -> (mean_loss, aux)`; default: the built-in GPT's loss, or masked next-token
         cross-entropy from logits for a model of your own.
-      tx: any optax transformation; default: AdamW with warm-up, cosine decay and clipping from cfg.optim.
+      tx: any optax transformation (its state sharded like the parameters, checkpointed and resumed); default: AdamW
+        with warm-up, cosine decay (or `optim.schedule=constant`) and clipping from cfg.optim.
       train_data / val_data: objects with `.batch(step, batch_size, rows=slice) -> dict of numpy arrays`; default:
         TokenDatasets over cfg.data.
-      tokenizer: the tokenizer of your data (default: the one cfg.data describes), for the sample at the end.
+      tokenizer: the tokenizer of your data (default: the one cfg.data describes), for the sample at the end and
+        the vocabulary check: a model whose output is smaller than the tokenizer's vocabulary is refused before
+        compiling (its targets would have no logit).
       devices: devices for the mesh (default all).
       flops_per_token: for MFU when bringing your own model (the built-in GPT's is computed from its config).
       hooks: more jaxperf.train.hooks.Hook objects, run after the default ones.
+      init_from: start from existing weights (sets cfg.init_from): a Hugging Face GPT-2 / Llama directory or a
+        jaxperf run directory. The model config and tokenizer come from it, the parameters are loaded straight into
+        their shards, the optimizer starts fresh (jaxperf.train.pretrained). Once run_dir holds a checkpoint, the
+        run resumes from it instead.
     """
 
     def __init__(
@@ -73,10 +83,21 @@ class Trainer:
         devices: list[jax.Device] | None = None,
         flops_per_token: float | None = None,
         hooks: list[Hook] | None = None,
+        init_from: str | None = None,
     ):
         devices = list(jax.devices()) if devices is None else devices
         self.tokenizer = tokenizer
-        if train_data is None:  # the tokenizer settles the vocabulary before anything is checked
+        self.source, self.init_record = None, None
+        if init_from is not None:
+            cfg = dataclasses.replace(cfg, init_from=str(init_from))
+        if cfg.init_from:  # the checkpoint settles the model and the tokenizer
+            if make_model is not None:
+                raise ConfigError("init_from loads jaxperf's GPT from a checkpoint; a model of your own (make_model=) "
+                                  "starts from its own initialisation: drop one of them")
+            self.source = InitSource.open(cfg.init_from)
+            cfg = self.source.configure(cfg)
+            self.tokenizer = tokenizer or self.source.tokenizer(cfg)
+        elif train_data is None:  # the tokenizer settles the vocabulary before anything is checked
             self.tokenizer = tokenizer or tokenizer_for(cfg)
             cfg = with_vocab(cfg, self.tokenizer)
         self.mesh_shape = mesh_shape(cfg.parallel, len(devices))
@@ -90,6 +111,8 @@ class Trainer:
         self.train_data, self.val_data = train_data, val_data
         self.mesh = make_mesh(cfg.parallel, devices)
         self.task = build_task(cfg, self.mesh, make_model, loss_fn=loss_fn, tx=tx)
+        if self.tokenizer is not None:
+            check_vocab(self.task, self.tokenizer, cfg.train_seq_len)
         self.rules = self.task.rules
         self.flops_per_token = flops_per_token if self.custom_model else flops_per_token_of(cfg)
         check_flavour(cfg.parallel.flavour, self.task)  # e.g. pmap with sharded parameters: refused before compiling
@@ -139,16 +162,25 @@ class Trainer:
                     f"{self.cfg.seed}: the data order from here on differs from an uninterrupted run")
             where = f" (saved on mesh {meta['mesh']})" if meta.get("mesh") not in (None, self._mesh_text()) else ""
             log(f"resumed from {checkpointer.directory} at step {start}{where}")
+            self.init_record = meta.get("init_from")
             return state, start
+        if self.source is not None:
+            state, self.init_record = self.source.load(self.task, self.cfg.model)
+            log(f"initialised from {self.source.describe()}; the optimizer starts fresh")
+            return state, 0
         return self.task.init_state(), 0
 
     def _mesh_text(self) -> str:
         return " ".join(f"{a}={n}" for a, n in self.mesh.shape.items())
 
     def metadata(self, data_step: int) -> dict:
-        """What a checkpoint records besides the arrays: the data position, seed, mesh and process count."""
-        return {"data_step": int(data_step), "seed": self.cfg.seed, "mesh": self._mesh_text(),
+        """What a checkpoint records besides the arrays: the data position, seed, mesh and process count, and where
+        the run's weights started from (init_from: the source, its special token ids and generation config)."""
+        meta = {"data_step": int(data_step), "seed": self.cfg.seed, "mesh": self._mesh_text(),
                 "processes": jax.process_count()}
+        if self.init_record is not None:
+            meta["init_from"] = self.init_record
+        return meta
 
     def evaluate(self, state: TrainState) -> float:
         _, eval_step = self._steps()
@@ -195,6 +227,8 @@ class Trainer:
                             keep_every=cfg.keep_checkpoints_every or None)
         try:
             start = 0
+            if self.source is not None:
+                _on_first_process(lambda: self.source.save_tokenizer(self.tokenizer), "saving the tokenizer")
             if state is None:
                 state, start = self.init_or_restore(ckpt)
             changes = _on_first_process(lambda: run.record_config(to_dict(cfg), start), "writing config.json")
@@ -263,7 +297,7 @@ class Trainer:
         """Text from the trained model (full recomputation over a fixed window: one compilation, no KV cache)."""
         if self.tokenizer is None or self.custom_model:
             raise ValueError("sampling needs the built-in GPT and a tokenizer")
-        window = self.cfg.model.max_seq_len
+        window = self.cfg.train_seq_len  # a checkpoint's max_seq_len can be far longer than the run's sequences
         vocab = self.tokenizer.vocab_size
         task = self.task
 
@@ -415,6 +449,19 @@ def _close_quietly(ckpt: Checkpointer) -> None:
         ckpt.close()
     except Exception:  # noqa: BLE001
         pass
+
+
+def check_vocab(task, tokenizer, seq_len: int) -> None:
+    """ConfigError, before compiling, when the model predicts fewer tokens than the tokenizer produces: a target id
+    without a logit gives NaN losses. The model's output size is traced abstractly once (`Task.output_size`); a model
+    not called on tokens alone is not checked."""
+    size = task.output_size(seq_len)
+    vocab = int(tokenizer.vocab_size)
+    if size is not None and size < vocab:
+        name = getattr(tokenizer, "name", type(tokenizer).__name__)
+        raise ConfigError(f"the model outputs {size} logits per token but the {name} tokenizer has {vocab} ids: give "
+                          f"the model an output of at least {vocab} (e.g. nnx.Embed({vocab}, ...)) or use a tokenizer "
+                          f"with at most {size} ids")
 
 
 def flops_per_token_of(cfg: TrainConfig) -> float:
