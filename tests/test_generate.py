@@ -153,17 +153,17 @@ def test_one_compilation_for_a_long_generation():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     gen = Generator(_model("gpt2"))
-    gen.generate([[1, 2], [3]], max_tokens=4, temperature=0.0)  # compiles prefill + decode for (B=2, P=8, S=8)
+    gen.generate([[1, 2], [3]], max_tokens=4, temperature=0.0)  # compiles empty + insert + decode (B=2, P=8, S=8)
     before, programs = len(compiles), gen.compilations
     out = gen.generate([[5, 6, 7], [8]], max_tokens=5, temperature=0.7, top_p=0.9, seed=1)  # same buckets
     assert sum(len(r.tokens) for r in out) == 10
     stream = list(gen.stream([[9, 9], [1]], max_tokens=5, chunk=1))  # 5 calls of the same decode program
     assert len(stream) == 5
-    assert gen.compilations == programs == 2
+    assert gen.compilations == programs == 3  # an empty state, an insert, a decode
     assert len(compiles) == before, f"{len(compiles) - before} compilations for same-bucket generations"
     long = Generator(_model("gpt2"))
     long.generate([[1, 2, 3]], max_tokens=28, temperature=0.0)
-    assert long.compilations == 2  # 28 tokens: one prefill program, one decode program
+    assert long.compilations == 3  # 28 tokens: one insert (prefill) program, one decode program
 
 
 @pytest.mark.parametrize("strategy,parallel", [("tp", dict(data=4, fsdp=1, tensor=2)),
@@ -175,8 +175,8 @@ def test_generation_on_a_mesh_equals_single_device(strategy, parallel):
     single = Generator(model).generate(prompts, **kw)
     mesh = make_mesh(ParallelConfig(strategy=strategy, **parallel))
     sharded_gen = Generator(model, mesh=mesh, strategy=strategy)
-    wq = sharded_gen.params["blocks"]["attn"]["wq_DxHxDh"]
-    assert wq.addressable_shards[0].data.shape[2] == 4 // parallel["tensor"]  # [N, D, H, Dh]: heads split
+    wq = sharded_gen.params["blocks"][0]["attn"]["wq_DxHxDh"]  # layers unstacked for serving
+    assert wq.addressable_shards[0].data.shape[1] == 4 // parallel["tensor"]  # [D, H, Dh]: heads split
     sharded = sharded_gen.generate(prompts, **kw)
     assert [r.tokens for r in sharded] == [r.tokens for r in single]
 
