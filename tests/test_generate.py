@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -226,3 +229,74 @@ def test_per_row_settings_and_seeds_match_each_row_run_alone():
         gen.generate(prompts[:2], max_tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="temperature=-1"):
         gen.generate(prompts, temperature=[0.5, -1, 0.5])
+
+
+def _copies_of_the_cache(hlo: str, cache_elements: int) -> list[str]:
+    """Copy or transpose instructions whose result holds as many elements as one layer's cache (a re-layout)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\][^ ]* (copy|transpose)\(", line)
+        if m and math.prod(int(d) for d in m.group(1).split(",")) == cache_elements:
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_a_decode_step_reads_the_cache_where_it_lies():
+    _, gen = _shared("llama")
+    gen.generate([[1, 2, 3]] * 4, max_tokens=20, temperature=0.0)  # B=4 rows, S=32 slots
+    B, K, S, Dh = 4, gen.cfg.n_kv_heads, 32, gen.cfg.head_dim
+    exe, = [e for k, e in gen._compiled.items() if k[0] == "decode" and ((B, K, S, Dh), "float32") in k[1]]
+    assert gen.new_state(B, S).k_cache[0].shape == (B, K, S, Dh)  # [rows, kv heads, slots, head dim]
+    copies = _copies_of_the_cache(exe.as_text(), B * K * S * Dh)
+    assert not copies, "the decode program copies or transposes the KV cache:\n" + "\n".join(copies)
+
+
+def test_requests_inserted_into_a_running_state_equal_each_request_alone():
+    _, gen = _shared("llama")
+    kw = dict(temperature=0.9, top_k=30, top_p=1.0)
+    a, b, c = [1, 2, 3], [4, 5, 6, 7, 8], [9, 9]
+    want = {name: gen.generate([p], n, seed=[s], **kw)[0].tokens
+            for name, p, n, s in (("a", a, 12, 1), ("b", b, 3, 2), ("c", c, 5, 3))}
+    state = gen.new_state(4, 32)
+    settings = lambda n: dict(temperature=[kw["temperature"]], top_k=[kw["top_k"]], top_p=[1.0], max_tokens=[n])
+    state = gen.insert(state, [a], [2], seeds=[1], **settings(12))
+    got = {"a": [], "b": [], "c": []}
+    state, out = gen.decode(state, 4)
+    got["a"] += out.tokens[2]
+    state = gen.insert(state, [b], [0], seeds=[2], **settings(3))  # joins while `a` is decoding
+    state, out = gen.decode(state, 8, exit_on_finish=True)  # returns as soon as `b` finishes (3 tokens)
+    assert out.steps == 3 and out.done[0] and not out.done[2]
+    got["a"] += out.tokens[2]
+    got["b"] += out.tokens[0]
+    state = gen.insert(state, [c], [0], seeds=[3], **settings(5))  # reuses b's slot
+    while not (out.done[0] and out.done[2]):
+        state, out = gen.decode(state, 4)
+        got["a"] += out.tokens[2]
+        got["c"] += out.tokens[0]
+    assert got == want
+    state = gen.insert(state, [a], [1], seeds=[1], **settings(12))
+    state, out = gen.decode(state, 4, cancel=[1])  # a cancelled row stops at once
+    assert out.steps == 0 and out.done[1] and out.tokens[1] == []
+
+
+def test_top_k_and_top_p_without_sorting_equal_the_sorted_definitions():
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        x = rng.normal(size=(3, 50)).astype(np.float32)
+        x[0, rng.integers(0, 50, 5)] = x[0, 0]  # ties
+        k = int(rng.integers(1, 51))
+        kth = np.sort(x, axis=-1)[:, ::-1][:, k - 1: k]
+        np.testing.assert_array_equal(np.isfinite(np.asarray(apply_top_k(jnp.asarray(x), k))), x >= kth)
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(x)))
+        p = float(rng.uniform(0.01, 0.99))
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        keep_ranked = np.cumsum(ranked, axis=-1) - ranked < p
+        keep = np.zeros_like(keep_ranked)
+        np.put_along_axis(keep, order, keep_ranked, axis=-1)
+        got = np.asarray(nucleus_mask(jnp.asarray(probs), p))
+        untied = np.array([len(set(r)) == len(r) for r in probs])
+        np.testing.assert_array_equal(got[untied], keep[untied])
+        # With ties at the boundary, every token as probable as the last one taken is taken too.
+        last = np.where(keep, probs, np.inf).min(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(got, probs >= last)
