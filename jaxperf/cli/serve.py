@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxperf serve: {e}", file=sys.stderr)
         return 2
     if not args.no_warmup:
-        s = app.state.scheduler.warmup(first.tokenizer.encode("Once upon a time"))
+        s = app.state.scheduler.warmup(prompt_lengths=(8, 32))
         print(f"compiled the programs of {len(gens)} replica(s) in {s:.1f} s", flush=True)
     weights = "int8" if first.quantized else str(first.cfg.param_dtype)
     print(f"serving {ckpt} ({weights} weights, {first.weight_bytes / 2**20:.1f} MiB) with {len(gens)} replica(s) on "

@@ -208,11 +208,14 @@ class Generator:
         """Bytes of the parameters as held (int8 values and scales counted as such)."""
         return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
 
-    def on(self, mesh: Mesh, strategy: str | Rules | None = None) -> "Generator":
-        """The same model and parameters on another mesh (a replica): parameters are copied, programs compiled anew."""
+    def on(self, mesh: Mesh | None = None, *, strategy: str | Rules | None = None,
+           quantize: str | None = None) -> "Generator":
+        """The same model and parameters on another mesh (a replica), or int8 (`quantize="int8"`): the parameters
+        are copied, the programs compiled anew."""
         model = nnx.merge(self._graphdef, self._template, self._other)
-        return Generator(model, self.tokenizer, mesh=mesh, strategy=strategy, params=jax.device_get(self.params),
-                         cache_dtype=self.cache_dtype, max_chunk=self.max_chunk)
+        return Generator(model, self.tokenizer, mesh=mesh if mesh is not None else self.mesh, strategy=strategy,
+                         params=jax.device_get(self.params), cache_dtype=self.cache_dtype, quantize=quantize,
+                         max_chunk=self.max_chunk)
 
     # ----------------------------------------------------------------------------------------------------------------
     @classmethod

@@ -201,14 +201,24 @@ class Replica:
         self._active.clear()
         self._waiting.clear()
 
-    def warmup(self, prompt_ids: Sequence[int], max_tokens: int = 4) -> float:
-        """Compile this replica's programs (an empty state, a one-row insert, decode) before serving; returns seconds.
+    def warmup(self, prompt_lengths: Sequence[int] = (8,)) -> float:
+        """Compile this replica's programs before serving; returns the seconds spent compiling.
 
-        Call before `start`."""
+        An empty state, an insert for every admission size (1, 2, 4, ... up to the slots) of each prompt length's
+        bucket, and decode. Call before `start`, or while no request is in flight.
+        """
         before = self.gen.compile_s
         state = self.gen.new_state(self.slots, self.max_len)
-        state = self.gen.insert(state, [list(prompt_ids)], [0], seeds=[0], temperature=[0.0], top_k=[0], top_p=[1.0],
-                                max_tokens=[max_tokens])
+        for length in sorted({min(bucket(n, 8), self.max_len - 1) for n in prompt_lengths}):
+            n = 1
+            while True:
+                rows = min(n, self.slots)
+                state = self.gen.insert(state, [[1] * length] * rows, list(range(rows)), seeds=[0] * rows,
+                                        temperature=[0.0] * rows, top_k=[0] * rows, top_p=[1.0] * rows,
+                                        max_tokens=[2] * rows)
+                if rows == self.slots:
+                    break
+                n *= 2
         self.gen.decode(state, self.chunk)
         return self.gen.compile_s - before
 
@@ -448,8 +458,9 @@ class Scheduler:
         for r in self.replicas:
             r.stop()
 
-    def warmup(self, prompt_ids: Sequence[int]) -> float:
-        return sum(r.warmup(prompt_ids) for r in self.replicas)
+    def warmup(self, prompt_lengths: Sequence[int] = (8,)) -> float:
+        """Compile every replica's programs for these prompt lengths (see `Replica.warmup`); returns seconds."""
+        return sum(r.warmup(prompt_lengths) for r in self.replicas)
 
     def metrics(self) -> dict[str, Any]:
         per = [r.metrics() for r in self.replicas]
