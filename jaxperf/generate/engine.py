@@ -320,7 +320,7 @@ class Generator:
             put(state.top_k_B, top_k_n), put(state.top_p_B, top_p_n), put(state.max_tokens_B, max_tokens_n),
             put(state.stop_ids_BxNS, stop_ids_nxNS)))
 
-    def _decode_fn(self, params, state: DecodeState, steps, exit_on_finish, cancel_B) -> tuple[DecodeState, Any, Any]:
+    def _decode_fn(self, params, state: DecodeState, steps, exit_on_finish, cancel_B) -> tuple[DecodeState, Any]:
         B, S, C = state.batch, state.max_len, self.max_chunk
         state = state.replace(done_B=state.done_B | cancel_B)
         out_BxC = jnp.full((B, C), NO_TOKEN, jnp.int32)
@@ -351,12 +351,20 @@ class Generator:
 
         i, state, out_BxC, _ = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out_BxC,
                                                                 jnp.zeros((), bool)))
-        return self._constrained(state), out_BxC, i
+        # Everything the host reads, in one array (one transfer): tokens, generated, done, stopped, steps run.
+        report_Bx4 = jnp.stack([state.generated_B, state.done_B.astype(jnp.int32), state.stopped_B.astype(jnp.int32),
+                                jnp.broadcast_to(i, (B,))], axis=1)
+        return self._constrained(state), jnp.concatenate([out_BxC, report_Bx4], axis=1)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _executable(self, name: str, fn, args, static: dict, donate=()):
-        """Ahead-of-time compiled `fn` for these argument shapes; compiled once per shape key, timed apart."""
-        key = (name, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)), tuple(sorted(static.items())))
+        """Ahead-of-time compiled `fn` for these argument shapes; compiled once per shape key, timed apart.
+
+        The parameters (always the first argument) never change shape, so the key leaves them out: it is built on
+        every call, and a serving loop calls often.
+        """
+        rest = args[1:] if args and args[0] is self.params else args
+        key = (name, tuple((a.shape, a.dtype) for a in jax.tree.leaves(rest)), tuple(sorted(static.items())))
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()
@@ -425,11 +433,10 @@ class Generator:
         stops = np.full((nb, N_STOP), -1, np.int32)
         if stop_ids is not None:
             stops[:n] = stop_ids
-        args = (self.params, state, tokens, lengths, col(slots, np.int32, B),
-                col([int(s) % 2**32 for s in seeds], np.uint32, 0), col(folds or [0] * n, np.int32, 0),
-                col(temperature, np.float32, 0.0), col(top_k, np.int32, 0), col(top_p, np.float32, 1.0),
-                col(max_tokens, np.int32, 1), stops)
-        args = (args[0], args[1], *(jax.device_put(a, self._replicated) for a in args[2:]))
+        host = [tokens, lengths, col(slots, np.int32, B), col([int(s) % 2**32 for s in seeds], np.uint32, 0),
+                col(folds or [0] * n, np.int32, 0), col(temperature, np.float32, 0.0), col(top_k, np.int32, 0),
+                col(top_p, np.float32, 1.0), col(max_tokens, np.int32, 1), stops]
+        args = (self.params, state, *jax.device_put(host, self._replicated))  # one transfer call for all
         exe = self._executable("insert", self._insert_fn, args, {}, donate=(1,))
         return exe(*args)
 
@@ -446,16 +453,17 @@ class Generator:
             raise ValueError(f"steps={steps} must lie in [1, {self.max_chunk}] (max_chunk)")
         cancel_B = np.zeros((B,), bool)
         cancel_B[list(cancel)] = True
-        rep = self._replicated
-        args = (self.params, state, jax.device_put(np.int32(steps), rep), jax.device_put(np.bool_(exit_on_finish), rep),
-                jax.device_put(cancel_B, rep))
+        host = jax.device_put([np.int32(steps), np.bool_(exit_on_finish), cancel_B], self._replicated)
+        args = (self.params, state, *host)
         exe = self._executable("decode", self._decode_fn, args, {}, donate=(1,))
         t0 = time.perf_counter()
-        state, out_BxC, ran = exe(*args)
-        out, gen, done, stopped, ran = jax.device_get((out_BxC, state.generated_B, state.done_B, state.stopped_B, ran))
+        state, report = exe(*args)
+        report = np.asarray(report)
         seconds = time.perf_counter() - t0
-        tokens = [[int(t) for t in row if t != NO_TOKEN] for row in out]
-        return state, DecodeOutput(tokens, gen, done, stopped, int(ran), seconds)
+        out, C = report[:, : self.max_chunk], self.max_chunk
+        tokens = [row[row != NO_TOKEN].tolist() for row in out]
+        return state, DecodeOutput(tokens, report[:, C], report[:, C + 1].astype(bool), report[:, C + 2].astype(bool),
+                                   int(report[0, C + 3]) if B else 0, seconds)
 
     # ----------------------------------------------------------------------------------------------------------------
     def encode(self, prompts) -> list[list[int]]:
