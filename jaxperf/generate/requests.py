@@ -34,8 +34,8 @@ class BadRequest(ValueError):
 class Limits:
     """What a request may ask of this server and model."""
 
-    max_tokens: int  # the server's cap on max_tokens (at most model.max_seq_len - 1)
-    max_seq_len: int  # prompt + output positions of the model
+    max_tokens: int  # the server's cap on max_tokens (at most max_seq_len - 1)
+    max_seq_len: int  # prompt + output positions a request can have (the model's context, or a shorter cache)
     vocab_size: int
     tokenizer: Any
     max_body_bytes: int = 1 << 20
@@ -125,8 +125,8 @@ def prompt_ids(prompt: Any, limits: Limits) -> list[int]:
     if not ids:
         raise BadRequest("the prompt encodes to no tokens", param="prompt")
     if len(ids) >= limits.max_seq_len:
-        raise BadRequest(f"the prompt is {len(ids)} tokens; the model takes at most {limits.max_seq_len - 1} before "
-                         f"generating (model.max_seq_len={limits.max_seq_len}): shorten it", status=422,
+        raise BadRequest(f"the prompt is {len(ids)} tokens; this server takes at most {limits.max_seq_len - 1} "
+                         f"before generating (a context of {limits.max_seq_len} tokens): shorten it", status=422,
                          param="prompt")
     return ids
 

@@ -154,6 +154,9 @@ class Replica:
         self.index, self.gen = index, generator
         self.slots = generator.rows_for(slots)
         self.max_len = int(max_len or generator.cfg.max_seq_len)
+        if not 2 <= self.max_len <= generator.cfg.max_seq_len:
+            raise ValueError(f"max_len={self.max_len} must lie in [2, {generator.cfg.max_seq_len}] "
+                             f"(model.max_seq_len)")
         self.chunk, self.batching, self.window, self.prefill_budget = chunk, batching, batch_window_s, prefill_budget
         self.counters = _Counters(self.slots)
         self._waiting: collections.deque[Request] = collections.deque()

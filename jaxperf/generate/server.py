@@ -156,7 +156,8 @@ def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 
     counters = _HTTPCounters()
     gen = gens[0]
     cfg = gen.cfg
-    limits = Limits(max_tokens=max(1, min(max_tokens_limit, cfg.max_seq_len - 1)), max_seq_len=cfg.max_seq_len,
+    context = scheduler.replicas[0].max_len  # the cache slots per row: prompt and output together
+    limits = Limits(max_tokens=max(1, min(max_tokens_limit, context - 1)), max_seq_len=context,
                     vocab_size=cfg.vocab_size, tokenizer=gen.tokenizer, max_body_bytes=max_body_bytes)
     info = {"model": {"name": model_name, "style": cfg.style, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
                       "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len, "int8": gen.quantized,
