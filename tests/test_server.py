@@ -512,3 +512,54 @@ def test_wrong_method_unknown_route_page_and_health_are_json_or_html(server):
     assert status == 200 and health["status"] == "ok" and health["model"]["max_seq_len"] == MAX_SEQ
     assert health["max_tokens_limit"] == LIMIT and health["batching"] == "continuous"
     assert server.metrics()["rejected"] > 0
+
+
+@pytest.mark.slow
+def test_cli_serve_runs_replicas_and_answers_v1(tmp_path):
+    import dataclasses
+    import subprocess
+    import sys
+
+    from jaxperf.config import get_config, to_dict, validate_model
+    from jaxperf.train.checkpoint import Checkpointer
+    from helpers import cli_env, free_port
+
+    cfg = get_config("tiny", ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32"])
+    cfg = dataclasses.replace(cfg, model=validate_model(cfg.model))
+    run = tmp_path / "story"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(to_dict(cfg)))
+    with Checkpointer(run / "checkpoints") as ckpt:
+        ckpt.save(1, {"params": nnx.to_pure_dict(nnx.state(GPT(cfg.model, rngs=nnx.Rngs(0)), nnx.Param))})
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jaxperf.cli", "serve", "--checkpoint", str(run), "--port",
+                             str(port), "--replicas", "2", "--max-batch", "2", "--quantize", "int8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=cli_env(tmp_path, devices=2), cwd=tmp_path)
+    try:
+        lines = []
+        deadline = time.time() + 240
+        while not any(line.startswith("serving") for line in lines):
+            assert time.time() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        assert "int8 weights" in lines[-1] and "2 replica(s)" in lines[-1], lines
+        srv = Server.__new__(Server)
+        srv.url, srv.port = f"http://127.0.0.1:{port}", port
+
+        def listening():
+            try:
+                return srv.get("/health")[0] == 200
+            except OSError:
+                return False
+
+        wait_until(listening, 60, "the server to listen")  # "serving" is printed just before uvicorn binds
+        status, text = srv.post("/v1/completions", {"model": "story", "prompt": "abc", "max_tokens": 5, "seed": 1})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 5, text
+        health = json.loads(srv.get("/health")[2])
+        assert [r["devices"] for r in health["replicas"]] == [["cpu:0"], ["cpu:1"]] and health["model"]["int8"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
