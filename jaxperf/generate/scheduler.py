@@ -121,8 +121,9 @@ class _Output:
 
 
 class _Counters:
-    FIELDS = ("requests", "completed", "failed", "timeouts", "cancelled", "tokens_generated", "prompt_tokens",
-              "decode_calls", "decode_steps", "prefill_calls", "rows_decoded")
+    # received: routed here; requests: admitted into a slot (prefilled); completed: answered in full.
+    FIELDS = ("received", "requests", "completed", "failed", "timeouts", "cancelled", "tokens_generated",
+              "prompt_tokens", "decode_calls", "decode_steps", "prefill_calls", "rows_decoded")
 
     def __init__(self, slots: int):
         self.lock = threading.Lock()
@@ -182,6 +183,7 @@ class Replica:
 
     def submit(self, request: Request) -> None:
         request.replica = self.index
+        self.counters.add(received=1)
         with self._cond:
             self._waiting.append(request)
             self._cond.notify()

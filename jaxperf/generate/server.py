@@ -14,7 +14,7 @@ Routes:
   POST /v1/completions  OpenAI's completions API (jaxperf.generate.openai), JSON or server-sent events.
   GET /v1/models        the served model, as OpenAI lists models.
   GET /health           {"status": "ok", the model, replicas and their devices, limits}
-  GET /metrics          counters: requests, completed, rejected, failed, timeouts, cancelled, tokens, queue depth,
+  GET /metrics          counters: received, requests, completed, rejected, failed, timeouts, cancelled, tokens, queue,
                         active rows, slot uses, decode tokens/s, in total and per replica
   GET /                 a page to type a prompt and watch the continuation appear
 
