@@ -281,12 +281,13 @@ def test_requests_inserted_into_a_running_state_equal_each_request_alone():
 
 def test_top_k_and_top_p_without_sorting_equal_the_sorted_definitions():
     rng = np.random.default_rng(0)
+    top_k, nucleus = jax.jit(apply_top_k), jax.jit(nucleus_mask)  # k and p traced: one compilation each
     for _ in range(100):
         x = rng.normal(size=(3, 50)).astype(np.float32)
         x[0, rng.integers(0, 50, 5)] = x[0, 0]  # ties
         k = int(rng.integers(1, 51))
         kth = np.sort(x, axis=-1)[:, ::-1][:, k - 1: k]
-        np.testing.assert_array_equal(np.isfinite(np.asarray(apply_top_k(jnp.asarray(x), k))), x >= kth)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(top_k(jnp.asarray(x), k))), x >= kth)
         probs = np.asarray(jax.nn.softmax(jnp.asarray(x)))
         p = float(rng.uniform(0.01, 0.99))
         order = np.argsort(-probs, axis=-1, kind="stable")
@@ -294,7 +295,7 @@ def test_top_k_and_top_p_without_sorting_equal_the_sorted_definitions():
         keep_ranked = np.cumsum(ranked, axis=-1) - ranked < p
         keep = np.zeros_like(keep_ranked)
         np.put_along_axis(keep, order, keep_ranked, axis=-1)
-        got = np.asarray(nucleus_mask(jnp.asarray(probs), p))
+        got = np.asarray(nucleus(jnp.asarray(probs), p))
         untied = np.array([len(set(r)) == len(r) for r in probs])
         np.testing.assert_array_equal(got[untied], keep[untied])
         # With ties at the boundary, every token as probable as the last one taken is taken too.
