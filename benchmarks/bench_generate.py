@@ -2,11 +2,12 @@
 
     python benchmarks/bench_generate.py --tiny                      # CPU-sized model, batch sizes 1 and 4
     python benchmarks/bench_generate.py --preset gpt2-small --batch-sizes 1,8,32 --max-tokens 128
+    python benchmarks/bench_generate.py --quantize int8              # weight-only int8 (jaxperf.models.quant)
 
 For each batch size: prefill tokens/s (prompt tokens / prefill time) and decode tokens/s (new tokens / decode time),
 the medians over `--repeats` generations after one warm-up that compiles (compile time reported apart). A decode step
-has to read every weight and the whole KV cache once (the reference decode attention reads all S slots of each row),
-so its floor is (weight bytes + cache bytes) / HBM bandwidth; `pct_of_peak` is that floor over the measured step time.
+has to read every weight and the whole KV cache once (the reference decode attention reads all S slots of each row,
+where each row's slots lie contiguously per KV head), so its floor is (weight bytes + cache bytes) / HBM bandwidth; `pct_of_peak` is that floor over the measured step time.
 Greedy decoding with no stop tokens, so every row produces exactly `--max-tokens` tokens. Random weights: speed does not
 depend on them. Before timing, the greedy tokens of the first row are checked against a full forward of the model.
 """
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 weights")
     parser.add_argument("overrides", nargs="*", help="config key=value, e.g. model.dtype=bfloat16")
     args = parser.parse_args(argv)
 
@@ -66,9 +68,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     repeats = args.repeats or (3 if args.tiny else 5)
 
     model = GPT(mcfg, rngs=nnx.Rngs(0))
-    gen = Generator(model)
+    gen = Generator(model, quantize=args.quantize)
     rng = np.random.default_rng(0)
-    _check(model, gen, [int(t) for t in rng.integers(0, mcfg.vocab_size, 5)], mcfg.vocab_size)
+    if args.quantize is None:  # the int8 engine is checked against the int8 model in tests/test_quantize.py
+        _check(model, gen, [int(t) for t in rng.integers(0, mcfg.vocab_size, 5)], mcfg.vocab_size)
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(gen.params))
     bw, bw_source = peak_bandwidth()
 
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         floor_s = bytes_per_step / bw
         common = dict(batch=B, prompt_len=prompt_len, max_tokens=max_tokens, shapes=first.shapes,
                       compile_s=first.compile_s, repeats=repeats, dtype=mcfg.dtype, preset=args.preset,
+                      weights=args.quantize or "fp32",
                       tiny=args.tiny, n_params=int(sum(x.size for x in jax.tree.leaves(gen.params))))
         records.append(emit(record("generate", f"prefill_b{B}", B * prompt_len / prefill_s, "tokens/s",
                                    prefill_s=prefill_s, **common)))

@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, str] = {
     "collectives": "bench_collectives.py",
     "parallel": "bench_parallel.py",
     "generate": "bench_generate.py",
+    "serve": "bench_serve.py",
 }
 
 

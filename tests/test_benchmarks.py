@@ -166,6 +166,28 @@ def test_generate_tiny_checks_then_times_prefill_and_decode():
         assert d["pct_of_peak"] == pytest.approx(100 * d["bandwidth_floor_s"] / d["step_s"], rel=1e-2, abs=6e-4)  # rounded to 3 decimals
 
 
+@pytest.mark.slow
+def test_serve_tiny_measures_every_scenario_on_loopback():
+    pytest.importorskip("uvicorn")
+    recs = load("serve").main(["--tiny", "--requests", "16"])
+    check_records(recs, "serve", ["static", "continuous", "continuous_vs_static", "continuous_x2", "continuous_int8",
+                                  "int8_weight_bytes", "decode_b1", "decode_b32", "decode_b32_vs_b1"])
+    by_name = {r["name"]: r for r in recs}
+    for name in ("static", "continuous", "continuous_x2", "continuous_int8"):
+        r = by_name[name]
+        assert r["completed"] == r["requests"] == 16 and not r["errors"], r
+        assert r["compiles_during_run"] == 0, r  # warmed up: nothing compiled while timed
+        assert r["value"] == pytest.approx(r["completed"] / r["wall_s"])
+        assert 0 < r["ttft_p50_s"] <= r["latency_p50_s"] <= r["latency_p99_s"], r
+    assert by_name["static"]["batching"] == "static" and by_name["continuous"]["batching"] == "continuous"
+    assert by_name["continuous_x2"]["replicas"] == 2 and min(by_name["continuous_x2"]["per_replica_requests"]) > 0
+    assert by_name["continuous_int8"]["int8"] and by_name["int8_weight_bytes"]["value"] <= 0.3
+    ratio = by_name["continuous_vs_static"]
+    assert ratio["value"] == pytest.approx(by_name["continuous"]["goodput_rps"] / by_name["static"]["goodput_rps"])
+    assert by_name["decode_b32_vs_b1"]["value"] == pytest.approx(by_name["decode_b32"]["value"]
+                                                                 / by_name["decode_b1"]["value"])
+
+
 def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeypatch):
     seen = {}
     modules = {name: load(name) for name in ("collectives", "async_dispatch")}

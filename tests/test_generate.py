@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,17 +156,17 @@ def test_one_compilation_for_a_long_generation():
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     gen = Generator(_model("gpt2"))
-    gen.generate([[1, 2], [3]], max_tokens=4, temperature=0.0)  # compiles prefill + decode for (B=2, P=8, S=8)
+    gen.generate([[1, 2], [3]], max_tokens=4, temperature=0.0)  # compiles empty + insert + decode (B=2, P=8, S=8)
     before, programs = len(compiles), gen.compilations
     out = gen.generate([[5, 6, 7], [8]], max_tokens=5, temperature=0.7, top_p=0.9, seed=1)  # same buckets
     assert sum(len(r.tokens) for r in out) == 10
     stream = list(gen.stream([[9, 9], [1]], max_tokens=5, chunk=1))  # 5 calls of the same decode program
     assert len(stream) == 5
-    assert gen.compilations == programs == 2
+    assert gen.compilations == programs == 3  # an empty state, an insert, a decode
     assert len(compiles) == before, f"{len(compiles) - before} compilations for same-bucket generations"
     long = Generator(_model("gpt2"))
     long.generate([[1, 2, 3]], max_tokens=28, temperature=0.0)
-    assert long.compilations == 2  # 28 tokens: one prefill program, one decode program
+    assert long.compilations == 3  # 28 tokens: one insert (prefill) program, one decode program
 
 
 @pytest.mark.parametrize("strategy,parallel", [("tp", dict(data=4, fsdp=1, tensor=2)),
@@ -175,8 +178,8 @@ def test_generation_on_a_mesh_equals_single_device(strategy, parallel):
     single = Generator(model).generate(prompts, **kw)
     mesh = make_mesh(ParallelConfig(strategy=strategy, **parallel))
     sharded_gen = Generator(model, mesh=mesh, strategy=strategy)
-    wq = sharded_gen.params["blocks"]["attn"]["wq_DxHxDh"]
-    assert wq.addressable_shards[0].data.shape[2] == 4 // parallel["tensor"]  # [N, D, H, Dh]: heads split
+    wq = sharded_gen.params["blocks"][0]["attn"]["wq_DxHxDh"]  # layers unstacked for serving
+    assert wq.addressable_shards[0].data.shape[1] == 4 // parallel["tensor"]  # [D, H, Dh]: heads split
     sharded = sharded_gen.generate(prompts, **kw)
     assert [r.tokens for r in sharded] == [r.tokens for r in single]
 
@@ -226,3 +229,75 @@ def test_per_row_settings_and_seeds_match_each_row_run_alone():
         gen.generate(prompts[:2], max_tokens=[1, 2, 3])
     with pytest.raises(ValueError, match="temperature=-1"):
         gen.generate(prompts, temperature=[0.5, -1, 0.5])
+
+
+def _copies_of_the_cache(hlo: str, cache_elements: int) -> list[str]:
+    """Copy or transpose instructions whose result holds as many elements as one layer's cache (a re-layout)."""
+    found = []
+    for line in hlo.splitlines():
+        m = re.search(r"= f32\[([\d,]+)\][^ ]* (copy|transpose)\(", line)
+        if m and math.prod(int(d) for d in m.group(1).split(",")) == cache_elements:
+            found.append(line.strip()[:160])
+    return found
+
+
+def test_a_decode_step_reads_the_cache_where_it_lies():
+    _, gen = _shared("llama")
+    gen.generate([[1, 2, 3]] * 4, max_tokens=20, temperature=0.0)  # B=4 rows, S=32 slots
+    B, K, S, Dh = 4, gen.cfg.n_kv_heads, 32, gen.cfg.head_dim
+    exe, = [e for k, e in gen._compiled.items() if k[0] == "decode" and ((B, K, S, Dh), "float32") in k[1]]
+    assert gen.new_state(B, S).k_cache[0].shape == (B, K, S, Dh)  # [rows, kv heads, slots, head dim]
+    copies = _copies_of_the_cache(exe.as_text(), B * K * S * Dh)
+    assert not copies, "the decode program copies or transposes the KV cache:\n" + "\n".join(copies)
+
+
+def test_requests_inserted_into_a_running_state_equal_each_request_alone():
+    _, gen = _shared("llama")
+    kw = dict(temperature=0.9, top_k=30, top_p=1.0)
+    a, b, c = [1, 2, 3], [4, 5, 6, 7, 8], [9, 9]
+    want = {name: gen.generate([p], n, seed=[s], **kw)[0].tokens
+            for name, p, n, s in (("a", a, 12, 1), ("b", b, 3, 2), ("c", c, 5, 3))}
+    state = gen.new_state(4, 32)
+    settings = lambda n: dict(temperature=[kw["temperature"]], top_k=[kw["top_k"]], top_p=[1.0], max_tokens=[n])
+    state = gen.insert(state, [a], [2], seeds=[1], **settings(12))
+    got = {"a": [], "b": [], "c": []}
+    state, out = gen.decode(state, 4)
+    got["a"] += out.tokens[2]
+    state = gen.insert(state, [b], [0], seeds=[2], **settings(3))  # joins while `a` is decoding
+    state, out = gen.decode(state, 8, exit_on_finish=True)  # returns as soon as `b` finishes (3 tokens)
+    assert out.steps == 3 and out.done[0] and not out.done[2]
+    got["a"] += out.tokens[2]
+    got["b"] += out.tokens[0]
+    state = gen.insert(state, [c], [0], seeds=[3], **settings(5))  # reuses b's slot
+    while not (out.done[0] and out.done[2]):
+        state, out = gen.decode(state, 4)
+        got["a"] += out.tokens[2]
+        got["c"] += out.tokens[0]
+    assert got == want
+    state = gen.insert(state, [a], [1], seeds=[1], **settings(12))
+    state, out = gen.decode(state, 4, cancel=[1])  # a cancelled row stops at once
+    assert out.steps == 0 and out.done[1] and out.tokens[1] == []
+
+
+def test_top_k_and_top_p_without_sorting_equal_the_sorted_definitions():
+    rng = np.random.default_rng(0)
+    top_k, nucleus = jax.jit(apply_top_k), jax.jit(nucleus_mask)  # k and p traced: one compilation each
+    for _ in range(100):
+        x = rng.normal(size=(3, 50)).astype(np.float32)
+        x[0, rng.integers(0, 50, 5)] = x[0, 0]  # ties
+        k = int(rng.integers(1, 51))
+        kth = np.sort(x, axis=-1)[:, ::-1][:, k - 1: k]
+        np.testing.assert_array_equal(np.isfinite(np.asarray(top_k(jnp.asarray(x), k))), x >= kth)
+        probs = np.asarray(jax.nn.softmax(jnp.asarray(x)))
+        p = float(rng.uniform(0.01, 0.99))
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        keep_ranked = np.cumsum(ranked, axis=-1) - ranked < p
+        keep = np.zeros_like(keep_ranked)
+        np.put_along_axis(keep, order, keep_ranked, axis=-1)
+        got = np.asarray(nucleus(jnp.asarray(probs), p))
+        untied = np.array([len(set(r)) == len(r) for r in probs])
+        np.testing.assert_array_equal(got[untied], keep[untied])
+        # With ties at the boundary, every token as probable as the last one taken is taken too.
+        last = np.where(keep, probs, np.inf).min(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(got, probs >= last)

@@ -6,6 +6,7 @@
     jaxperf compile --topology v5p:4x4x4 ...          jaxperf.cli.compile
     jaxperf generate --checkpoint DIR --prompt ...    jaxperf.cli.generate
     jaxperf serve --checkpoint DIR                    jaxperf.cli.serve
+    jaxperf quantize --checkpoint DIR --out DIR2      jaxperf.cli.quantize
     jaxperf bench [names] [--tiny]                    jaxperf.benchmarks.run
 
 Subcommand modules are imported only when chosen, so `jaxperf --help` starts fast.
@@ -27,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("jaxperf.cli.compile", "compile the train step for a TPU slice on this machine"),
     "generate": ("jaxperf.cli.generate", "continue a prompt from a run's checkpoint"),
     "serve": ("jaxperf.cli.serve", "serve a run's checkpoint over HTTP"),
+    "quantize": ("jaxperf.cli.quantize", "write int8 weights of a run's checkpoint"),
     "bench": ("jaxperf.benchmarks.run", "run the benchmark suite"),
 }
 

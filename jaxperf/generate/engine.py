@@ -1,24 +1,35 @@
-"""Text generation with a KV cache: one prefill of the prompts, then a compiled decode loop.
+"""Text generation with a KV cache: prompts are inserted into rows of a decode state, then a compiled loop decodes.
 
-    gen = Generator.from_checkpoint("runs/tiny")                 # config.json + newest checkpoint of a run
-    gen = Generator(model, tokenizer)                            # any built-in GPT module
+    gen = Generator.from_checkpoint("runs/tiny")                 # config.json + newest checkpoint (or an int8 one)
+    gen = Generator(model, tokenizer, quantize="int8")           # any built-in GPT module, optionally int8 weights
     out = gen.generate(["def ", "class "], max_tokens=64, temperature=0.8, top_p=0.95, seed=0)
     out[0].text, out.prefill_tokens_per_s, out.decode_tokens_per_s
     for new_tokens in gen.stream(["def "], max_tokens=64): ...   # lists of new ids per row, chunk by chunk
 
-Two programs do all the work. `prefill` runs the right-padded prompts through the model once, filling cache slots
-[0, P), and takes each row's logits at its last real token. `decode` is a `lax.while_loop` that samples a token per
-row, writes it to the row's next slot and runs the one-token forward against the cache, until every row is done or
-`chunk` steps have run. Settings (temperature, top-k, top-p, budget, stop ids, chunk) are traced arrays, so the
-programs compile once per (row bucket, prompt bucket, cache length) and never per token: `generate` calls `decode`
-once with the whole budget, `stream` calls the same compiled `decode` repeatedly with a chunk of steps.
+    state = gen.new_state(batch=8, max_len=256)                  # the engine API a server schedules with
+    state = gen.insert(state, [ids], slots=[3], seeds=[7], ...)  # prefill one request into slot 3
+    state, out = gen.decode(state, steps=8)                      # up to 8 steps of every running row
+
+Three programs do all the work. `new_state` makes an empty state of B rows (all free). `insert` runs n right-padded
+prompts through the model once, writes their keys and values into cache slots [0, P) of the rows they are given, and
+sets those rows' logits (at each prompt's last token), settings, budget and key. `decode` is a `lax.while_loop` that
+samples a token per running row, writes it to the row's next cache slot and runs the one-token forward against the
+cache, for up to `steps` steps (at most `max_chunk`, the width of its output buffer), stopping early when every row
+is done or, if asked, when any row finishes. Settings are per-row arrays of the state, so the programs compile once
+per (rows, prompt bucket, cache length) and never per token or setting. `generate` and `stream` are a static batch
+on these programs: one insert of all prompts, then decode calls until every row is done; a server
+(jaxperf.generate.scheduler) inserts requests into free rows between decode calls instead.
+
+Parameters are held in a serving layout: a model with stacked layers (`scan_layers`) is unstacked once, so each layer
+reads its own weights and its own cache buffer in place, and int8 weights (`quantize="int8"`, an `Int8Weight` per
+matmul weight and embedding table, jaxperf.models.quant) are kept as int8 values with per-channel scales.
 
 Row i of a call with `seed=s` draws its t-th token with `fold_in(fold_in(key(s), i), t)`; with a list of seeds (one per
 row, as a server passes them) row i uses `fold_in(fold_in(key(seeds[i]), 0), t)`. So a seed gives the same text whether
 it is produced in one call or streamed in chunks, and a one-prompt request gives the same text alone or batched with
-others. Sampling settings may also differ per row.
+others, in whichever row it lands. Sampling settings may also differ per row.
 
-Legend: B rows (bucket), P prompt bucket, S cache slots, V padded vocabulary.
+Legend: B rows, n inserted rows, P prompt bucket, S cache slots, V padded vocabulary, C steps per decode call.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +50,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxperf import _compat
 from jaxperf.config import from_dict
 from jaxperf.data import tokenizer_for
-from jaxperf.generate.cache import DecodeState, Settings, bucket, cache_sharding, cache_shape
+from jaxperf.generate.cache import N_STOP, DecodeState, bucket
+from jaxperf.generate.quantize import is_quantized_dir, restore_quantized
 from jaxperf.generate.sampling import check_settings, sample
-from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
-from jaxperf.parallel.sharding import tree_shardings
+from jaxperf.models.gpt import CACHE_AXES
+from jaxperf.models.layers import dense
+from jaxperf.models.quant import Int8Weight, is_int8, quantize_params, scale_axes
+from jaxperf.parallel.rules import Rules, activation_sharding, constrain, get_rules, logical_to_spec
 from jaxperf.step.task import build_task
 from jaxperf.train.checkpoint import Checkpointer
 
 PAD_ID = 0
+NO_TOKEN = -1  # in decode's output buffer: the row produced nothing at that step
 MIN_PROMPT_BUCKET = 8
+MAX_CHUNK = 32  # decode steps per call at most (the width of the output buffer)
 
 
 @dataclasses.dataclass
@@ -98,8 +114,31 @@ class GenerationBatch:
                 "prefill_tokens_per_s": self.prefill_tokens_per_s, "decode_tokens_per_s": self.decode_tokens_per_s}
 
 
+@dataclasses.dataclass
+class DecodeOutput:
+    """What one `decode` call produced, on the host: tokens[b] are row b's new ids (stop tokens left out)."""
+
+    tokens: list[list[int]]
+    generated: np.ndarray  # int32 [B]: tokens produced so far per row
+    done: np.ndarray  # bool [B]
+    stopped: np.ndarray  # bool [B]: ended on a stop token
+    steps: int  # decode steps this call ran
+    seconds: float  # wall clock of the call
+
+
 def _default_strategy(mesh: Mesh) -> str:
     return "fsdp_tp" if mesh.shape.get("fsdp", 1) > 1 else "tp"
+
+
+def _single_device_mesh() -> Mesh:
+    return _compat.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1])
+
+
+def unstack_layers(params: dict, n_layers: int) -> dict:
+    """Stacked layer parameters {"blocks": {leaf: [N, ...]}} as a list of layers {"blocks": {0: {...}, 1: ...}}."""
+    out = dict(params)
+    out["blocks"] = {i: jax.tree.map(lambda x, i=i: x[i], params["blocks"]) for i in range(n_layers)}
+    return out
 
 
 class Generator:
@@ -112,52 +151,103 @@ class Generator:
       mesh: a mesh with axes data / fsdp / tensor (default: the first device alone).
       strategy: the rule table for parameters and activations (default "tp", or "fsdp_tp" when fsdp > 1). Rows are
         split over the data axes and KV heads over `tensor`.
-      params: a pure dict of parameter values replacing the module's.
+      params: a pure dict of parameter values replacing the module's (fp32, or already int8 from a quantized
+        checkpoint; stacked or unstacked layers as the model has them).
       cache_dtype: dtype of the KV cache (default the model's compute dtype).
+      quantize: None, or "int8" for weight-only int8 with per-channel scales (jaxperf.models.quant).
+      max_chunk: decode steps one `decode` call can run (the width of its output buffer).
     """
 
     def __init__(self, model, tokenizer=None, *, mesh: Mesh | None = None, strategy: str | Rules | None = None,
-                 params: Any = None, cache_dtype: Any = None):
-        self.cfg = model.cfg
+                 params: Any = None, cache_dtype: Any = None, quantize: str | None = None, max_chunk: int = MAX_CHUNK):
+        if quantize not in (None, "int8"):
+            raise ValueError(f"quantize={quantize!r}: choose None or 'int8'")
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk={max_chunk} must be >= 1")
         self.tokenizer = tokenizer
-        self.mesh = mesh if mesh is not None else _compat.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
-                                                                     devices=jax.devices()[:1])
+        self.mesh = mesh if mesh is not None else _single_device_mesh()
         self.rules = get_rules(strategy or _default_strategy(self.mesh), self.mesh)
-        self.cache_dtype = jnp.dtype(cache_dtype or self.cfg.dtype)
-        self._graphdef, param_state, self._other = nnx.split(model, nnx.Param, ...)
-        self._template = param_state
-        axes = jax.tree.map(_compat.variable_logical_axes, param_state, is_leaf=lambda v: isinstance(v, nnx.Variable))
-        axes = nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+        self.max_chunk = int(max_chunk)
+        cfg = model.cfg
+        _, param_state, _ = nnx.split(model, nnx.Param, ...)
         values = nnx.to_pure_dict(param_state) if params is None else params
-        self.param_shardings = tree_shardings(values, axes, self.mesh, self.rules)
+        if cfg.scan_layers:  # the serving layout: one set of weights per layer, read in place
+            cfg = dataclasses.replace(cfg, scan_layers=False)
+            model = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
+            values = unstack_layers(values, cfg.n_layers)
+        if quantize == "int8":
+            values = quantize_params(values)
+        self.cfg = cfg
+        self.cache_dtype = jnp.dtype(cache_dtype or cfg.dtype)
+        self._model_type = type(model)
+        self._graphdef, self._template, self._other = nnx.split(model, nnx.Param, ...)
+        axes = jax.tree.map(_compat.variable_logical_axes, self._template,
+                            is_leaf=lambda v: isinstance(v, nnx.Variable))
+        self._axes = nnx.to_pure_dict(axes) if isinstance(axes, nnx.State) else axes
+        self.param_shardings = self._shardings(values)
         self.params = jax.device_put(values, self.param_shardings)
+        self.quantized = any(is_int8(x) for x in jax.tree.leaves(self.params, is_leaf=is_int8))
         self._replicated = NamedSharding(self.mesh, P())
         self._compiled: dict[tuple, Any] = {}
         self.compile_s = 0.0
+
+    def _shardings(self, values):
+        def one(axes, x):
+            if is_int8(x):
+                return Int8Weight(self._named(axes, x.q.shape), self._named(scale_axes(axes, x.scale.shape),
+                                                                            x.scale.shape))
+            return self._named(axes, x.shape)
+
+        return jax.tree.map(one, self._axes, values, is_leaf=lambda a: isinstance(a, tuple) or a is None)
+
+    def _named(self, axes, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, logical_to_spec(axes, self.rules.params, self.mesh, shape))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the parameters as held (int8 values and scales counted as such)."""
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.params)))
+
+    def on(self, mesh: Mesh | None = None, *, strategy: str | Rules | None = None,
+           quantize: str | None = None) -> "Generator":
+        """The same model and parameters on another mesh (a replica), or int8 (`quantize="int8"`): the parameters
+        are copied, the programs compiled anew."""
+        model = nnx.merge(self._graphdef, self._template, self._other)
+        return Generator(model, self.tokenizer, mesh=mesh if mesh is not None else self.mesh, strategy=strategy,
+                         params=jax.device_get(self.params), cache_dtype=self.cache_dtype, quantize=quantize,
+                         max_chunk=self.max_chunk)
 
     # ----------------------------------------------------------------------------------------------------------------
     @classmethod
     def from_checkpoint(cls, run_dir: str | Path, *, mesh: Mesh | None = None, strategy: str | None = None,
                         step: int | None = None, **kwargs) -> "Generator":
-        """A Generator for a training run: run_dir/config.json and its newest intact checkpoint (or `step`)."""
+        """A Generator for a training run: run_dir/config.json and its newest intact checkpoint (or `step`).
+
+        A directory written by `jaxperf quantize` is read as int8 (its scales are verified: a damaged one raises
+        CorruptCheckpointError or ValueError naming the weight).
+        """
         run_dir = Path(run_dir)
         cfg_file = run_dir / "config.json"
         if not cfg_file.exists():
-            raise FileNotFoundError(f"{cfg_file} not found: --checkpoint takes the run_dir of a `jaxperf train` run")
+            raise FileNotFoundError(f"{cfg_file} not found: --checkpoint takes the run_dir of a `jaxperf train` run "
+                                    f"or the --out of `jaxperf quantize`")
         cfg = from_dict(json.loads(cfg_file.read_text()))
-        mesh = mesh if mesh is not None else _compat.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"),
-                                                               devices=jax.devices()[:1])
+        mesh = mesh if mesh is not None else _single_device_mesh()
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     strategy=strategy or _default_strategy(mesh)))
         task = build_task(cfg, mesh, with_optimizer=False)  # the parameters alone: no optimizer is built
-        target = {"params": task.abstract_params_sharded()}
-        with Checkpointer(run_dir / "checkpoints") as ckpt:
-            if step is None:
-                restored, _, _ = ckpt.restore_latest(target)
-            else:
-                restored, _ = ckpt.restore(step, target)
         model = nnx.merge(task.graphdef, task.param_template, task.model_state)
-        return cls(model, tokenizer_for(cfg), mesh=mesh, strategy=task.rules, params=restored["params"], **kwargs)
+        if is_quantized_dir(run_dir):
+            params = restore_quantized(run_dir, task.abstract_params_sharded(), step=step)
+        else:
+            target = {"params": task.abstract_params_sharded()}
+            with Checkpointer(run_dir / "checkpoints") as ckpt:
+                if step is None:
+                    restored, _, _ = ckpt.restore_latest(target)
+                else:
+                    restored, _ = ckpt.restore(step, target)
+            params = restored["params"]
+        return cls(model, tokenizer_for(cfg), mesh=mesh, strategy=task.rules, params=params, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _merge(self, params):
@@ -165,62 +255,116 @@ class Generator:
         nnx.replace_by_pure_dict(template, params)
         return nnx.merge(self._graphdef, template, self._other)
 
-    def _prefill_fn(self, params, tokens_BxP, prompt_len_B, done_B, seed_B, seed_row_B, *, max_len: int) -> DecodeState:
-        B, Pb = tokens_BxP.shape
-        with activation_sharding(self.mesh, self.rules):
-            model = self._merge(params)
-            k, v = model.init_cache(B, max_len, self.cache_dtype)
-            positions = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32)[None], (B, Pb))
-            h_BxPxD, k, v = model.cached(tokens_BxP, positions, k, v)
-            last_BxD = jnp.take_along_axis(h_BxPxD, (prompt_len_B - 1)[:, None, None], axis=1)[:, 0]
-            logits = self._logits(model, last_BxD)
-        tokens_BxS = jnp.zeros((B, max_len), jnp.int32).at[:, :Pb].set(tokens_BxP)
-        zeros = jnp.zeros((B,), jnp.int32)
-        key_B = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_B, seed_row_B)
-        return DecodeState(k, v, tokens_BxS, prompt_len_B, prompt_len_B, zeros, done_B, jnp.zeros((B,), bool),
-                           logits, jnp.zeros((), jnp.int32), key_B)
-
     def _logits(self, model, h_BxD):
-        logits_BxV = jnp.einsum("bd,dv->bv", h_BxD, model.output_weights().astype(h_BxD.dtype)).astype(jnp.float32)
+        if model.head_DxV is None:  # tied: contract with the table's D axis, never transposing [V, D] per step
+            table = model.embed_VxD[...]
+            q = table.q if is_int8(table) else table
+            logits_BxV = jnp.einsum("bd,vd->bv", h_BxD, q.astype(h_BxD.dtype), preferred_element_type=jnp.float32)
+            if is_int8(table):
+                logits_BxV = logits_BxV * table.scale.reshape(1, -1)
+        else:
+            logits_BxV = dense(h_BxD, model.output_weights().astype(h_BxD.dtype)).astype(jnp.float32)
         real = jnp.arange(logits_BxV.shape[-1]) < self.cfg.vocab_size  # never sample the vocabulary's padding
         return jnp.where(real[None, :], logits_BxV, -jnp.inf)
 
-    def _decode_fn(self, params, state: DecodeState, settings: Settings, chunk) -> DecodeState:
-        B, S = state.tokens_BxS.shape
-        rows_B = jnp.arange(B)
+    def _rows(self, x, *rest):
+        return constrain(x, ("batch", *rest))
+
+    def _empty_fn(self, *, batch: int, max_len: int) -> DecodeState:
+        B = batch
+        with activation_sharding(self.mesh, self.rules):
+            k, v = self._merge_abstract().init_cache(B, max_len, self.cache_dtype)
+        zeros_i = jnp.zeros((B,), jnp.int32)
+        return self._constrained(DecodeState(
+            k, v, zeros_i, zeros_i, jnp.ones((B,), bool), jnp.zeros((B,), bool),
+            jnp.zeros((B, self.cfg.padded_vocab), jnp.float32), jax.random.split(jax.random.key(0), B),
+            jnp.zeros((B,), jnp.float32), zeros_i, jnp.ones((B,), jnp.float32), zeros_i,
+            jnp.full((B, N_STOP), -1, jnp.int32)))
+
+    def _constrained(self, s: DecodeState) -> DecodeState:
+        """Every field of a state with its sharding (caches per CACHE_AXES, rows over the data axes), so the three
+        programs hand states to each other with identical shardings."""
+        with activation_sharding(self.mesh, self.rules):
+            rows = {f.name: self._rows(getattr(s, f.name), *([None] * (getattr(s, f.name).ndim - 1)))
+                    for f in dataclasses.fields(s) if f.name not in ("k_cache", "v_cache")}
+            return s.replace(k_cache=tuple(constrain(c, CACHE_AXES) for c in s.k_cache),
+                             v_cache=tuple(constrain(c, CACHE_AXES) for c in s.v_cache), **rows)
+
+    def _merge_abstract(self):
+        return nnx.merge(self._graphdef, self._template, self._other)
+
+    def _insert_fn(self, params, state: DecodeState, tokens_nxP, prompt_len_n, slot_n, seed_n, fold_n, temperature_n,
+                   top_k_n, top_p_n, max_tokens_n, stop_ids_nxNS) -> DecodeState:
+        n, Pb = tokens_nxP.shape
+        with activation_sharding(self.mesh, self.rules):
+            model = self._merge(params)
+            k0, v0 = model.init_cache(n, Pb, self.cache_dtype)
+            positions = jnp.broadcast_to(jnp.arange(Pb, dtype=jnp.int32)[None], (n, Pb))
+            h_nxPxD, k0, v0 = model.cached(tokens_nxP, positions, k0, v0)
+            last_nxD = jnp.take_along_axis(h_nxPxD, (prompt_len_n - 1)[:, None, None], axis=1)[:, 0]
+            logits_n = self._logits(model, last_nxD)
+            # Rows of padding (slot == B) are dropped by every scatter below.
+            k = tuple(c.at[slot_n, :, :Pb].set(new, mode="drop") for c, new in zip(state.k_cache, k0))
+            v = tuple(c.at[slot_n, :, :Pb].set(new, mode="drop") for c, new in zip(state.v_cache, v0))
+            k = tuple(constrain(c, CACHE_AXES) for c in k)
+            v = tuple(constrain(c, CACHE_AXES) for c in v)
+        key_n = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seed_n, fold_n)
+
+        def put(x, new):
+            return x.at[slot_n].set(new, mode="drop")
+
+        return self._constrained(DecodeState(
+            k, v, put(state.lengths_B, prompt_len_n), put(state.generated_B, jnp.zeros_like(prompt_len_n)),
+            put(state.done_B, jnp.zeros(slot_n.shape, bool)), put(state.stopped_B, jnp.zeros(slot_n.shape, bool)),
+            put(state.logits_BxV, logits_n), put(state.key_B, key_n), put(state.temperature_B, temperature_n),
+            put(state.top_k_B, top_k_n), put(state.top_p_B, top_p_n), put(state.max_tokens_B, max_tokens_n),
+            put(state.stop_ids_BxNS, stop_ids_nxNS)))
+
+    def _decode_fn(self, params, state: DecodeState, steps, exit_on_finish, cancel_B) -> tuple[DecodeState, Any]:
+        B, S, C = state.batch, state.max_len, self.max_chunk
+        state = state.replace(done_B=state.done_B | cancel_B)
+        out_BxC = jnp.full((B, C), NO_TOKEN, jnp.int32)
 
         def cond(carry):
-            i, s = carry
-            return (i < chunk) & jnp.any(~s.done_B)
+            i, s, _, finished = carry
+            return (i < jnp.minimum(steps, C)) & jnp.any(~s.done_B) & ~(exit_on_finish & finished)
 
         def body(carry):
-            i, s = carry
+            i, s, out, finished = carry
             with activation_sharding(self.mesh, self.rules):
                 model = self._merge(params)
                 key_B = jax.vmap(jax.random.fold_in)(s.key_B, s.generated_B)
-                tok_B = sample(key_B, s.logits_BxV, settings.temperature, settings.top_k, settings.top_p)
+                tok_B = sample(key_B, s.logits_BxV, s.temperature_B, s.top_k_B, s.top_p_B)
                 active = ~s.done_B
                 tok_B = jnp.where(active, tok_B, PAD_ID)
-                slot_B = s.lengths_B
-                tokens = s.tokens_BxS.at[rows_B, slot_B].set(tok_B, mode="drop")  # past a done row's content
-                hit_stop = active & jnp.any(tok_B[:, None] == settings.stop_ids[None, :], axis=-1)
+                hit_stop = active & jnp.any(tok_B[:, None] == s.stop_ids_BxNS, axis=-1)
+                out = out.at[:, i].set(jnp.where(active & ~hit_stop, tok_B, NO_TOKEN))
                 generated = s.generated_B + active.astype(jnp.int32)
                 lengths = s.lengths_B + active.astype(jnp.int32)
-                done = s.done_B | hit_stop | (lengths >= S) | (generated >= settings.max_tokens)
-                write_B = jnp.minimum(slot_B, S - 1)
+                done = s.done_B | hit_stop | (lengths >= S) | (generated >= s.max_tokens_B)
+                write_B = jnp.minimum(s.lengths_B, S - 1)  # this token's position = its cache slot
                 h, k, v = model.cached(tok_B[:, None], write_B[:, None], s.k_cache, s.v_cache, write_B)
                 logits = self._logits(model, h[:, 0])
-            new = DecodeState(k, v, tokens, lengths, s.prompt_len_B, generated, done, s.stopped_B | hit_stop, logits,
-                              s.step + 1, s.key_B)
-            return i + 1, new
+            new = s.replace(k_cache=k, v_cache=v, lengths_B=lengths, generated_B=generated, done_B=done,
+                            stopped_B=s.stopped_B | hit_stop, logits_BxV=logits)
+            return i + 1, new, out, finished | jnp.any(done & active)
 
-        _, state = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state))
-        return state
+        i, state, out_BxC, _ = jax.lax.while_loop(cond, body, (jnp.zeros((), jnp.int32), state, out_BxC,
+                                                                jnp.zeros((), bool)))
+        # Everything the host reads, in one array (one transfer): tokens, generated, done, stopped, steps run.
+        report_Bx4 = jnp.stack([state.generated_B, state.done_B.astype(jnp.int32), state.stopped_B.astype(jnp.int32),
+                                jnp.broadcast_to(i, (B,))], axis=1)
+        return self._constrained(state), jnp.concatenate([out_BxC, report_Bx4], axis=1)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _executable(self, name: str, fn, args, static: dict, donate=()):
-        """Ahead-of-time compiled `fn` for these argument shapes; compiled once per shape key, timed apart."""
-        key = (name, tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args)), tuple(sorted(static.items())))
+        """Ahead-of-time compiled `fn` for these argument shapes; compiled once per shape key, timed apart.
+
+        The parameters (always the first argument) never change shape, so the key leaves them out: it is built on
+        every call, and a serving loop calls often.
+        """
+        rest = args[1:] if args and args[0] is self.params else args
+        key = (name, tuple((a.shape, a.dtype) for a in jax.tree.leaves(rest)), tuple(sorted(static.items())))
         exe = self._compiled.get(key)
         if exe is None:
             t0 = time.perf_counter()
@@ -231,10 +375,99 @@ class Generator:
 
     @property
     def compilations(self) -> int:
-        """Programs compiled so far (one prefill and one decode per shape bucket)."""
+        """Programs compiled so far (an empty state, an insert per (rows, prompt) bucket, a decode per state shape)."""
         return len(self._compiled)
 
-    def _encode(self, prompts) -> list[list[int]]:
+    def _row_sharding(self, shape) -> NamedSharding:
+        axes = ("batch",) + (None,) * (len(shape) - 1)
+        return NamedSharding(self.mesh, logical_to_spec(axes, self.rules.activations, self.mesh, shape))
+
+    def _data_parallel(self) -> int:
+        dp = 1
+        for a in ("data", "fsdp"):
+            dp *= self.mesh.shape.get(a, 1)
+        return dp
+
+    def rows_for(self, n: int) -> int:
+        """The row bucket for n rows: a power of two, rounded up to a multiple of the data-parallel devices."""
+        dp = self._data_parallel()
+        return dp * -(-bucket(n) // dp)
+
+    def new_state(self, batch: int, max_len: int) -> DecodeState:
+        """An empty decode state: `batch` free rows, a KV cache of `max_len` slots per row."""
+        if max_len > self.cfg.max_seq_len:
+            raise ValueError(f"max_len={max_len} is above model.max_seq_len={self.cfg.max_seq_len}")
+        if batch % self._data_parallel():
+            raise ValueError(f"batch={batch} must be a multiple of the mesh's data-parallel size "
+                             f"{self._data_parallel()}")
+        exe = self._executable("empty", self._empty_fn, (), {"batch": int(batch), "max_len": int(max_len)})
+        return exe()
+
+    def insert(self, state: DecodeState, prompts: Sequence[Sequence[int]], slots: Sequence[int], *,
+               seeds: Sequence[int], folds: Sequence[int] | None = None, temperature: Sequence[float],
+               top_k: Sequence[int], top_p: Sequence[float], max_tokens: Sequence[int],
+               stop_ids: np.ndarray | None = None) -> DecodeState:
+        """Prefill `prompts` (token-id lists, already validated) into rows `slots` of `state`; returns the new state.
+
+        The old state is donated (its buffers are reused in place). Row i draws its t-th token with
+        fold_in(fold_in(key(seeds[i]), folds[i]), t) (folds default to 0). `stop_ids` is [n, N_STOP] (-1 padded) or
+        None. Compiles once per (row bucket, prompt bucket) for this state's shape.
+        """
+        n, B, S = len(prompts), state.batch, state.max_len
+        if n != len(slots) or not n:
+            raise ValueError(f"{n} prompts for {len(slots)} slots: give one slot per prompt")
+        longest = max(len(p) for p in prompts)
+        if longest >= S:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room in a cache of {S} slots")
+        nb = min(bucket(n), bucket(B))
+        Pb = min(bucket(longest, MIN_PROMPT_BUCKET), S)
+        tokens = np.full((nb, Pb), PAD_ID, np.int32)
+        lengths = np.ones((nb,), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = p
+            lengths[i] = len(p)
+
+        def col(values, dtype, pad):
+            return np.asarray(list(values) + [pad] * (nb - n), dtype)
+
+        stops = np.full((nb, N_STOP), -1, np.int32)
+        if stop_ids is not None:
+            stops[:n] = stop_ids
+        host = [tokens, lengths, col(slots, np.int32, B), col([int(s) % 2**32 for s in seeds], np.uint32, 0),
+                col(folds or [0] * n, np.int32, 0), col(temperature, np.float32, 0.0), col(top_k, np.int32, 0),
+                col(top_p, np.float32, 1.0), col(max_tokens, np.int32, 1), stops]
+        args = (self.params, state, *jax.device_put(host, self._replicated))  # one transfer call for all
+        exe = self._executable("insert", self._insert_fn, args, {}, donate=(1,))
+        return exe(*args)
+
+    def decode(self, state: DecodeState, steps: int | None = None, *, exit_on_finish: bool = False,
+               cancel: Sequence[int] = ()) -> tuple[DecodeState, DecodeOutput]:
+        """Up to `steps` (<= max_chunk) decode steps of every running row; returns (new state, DecodeOutput).
+
+        Stops early when every row is done, or with `exit_on_finish` as soon as some row finishes (a server then
+        reuses its slot at once). Rows in `cancel` are marked done first. The old state is donated.
+        """
+        B = state.batch
+        steps = self.max_chunk if steps is None else int(steps)
+        if not 1 <= steps <= self.max_chunk:
+            raise ValueError(f"steps={steps} must lie in [1, {self.max_chunk}] (max_chunk)")
+        cancel_B = np.zeros((B,), bool)
+        cancel_B[list(cancel)] = True
+        host = jax.device_put([np.int32(steps), np.bool_(exit_on_finish), cancel_B], self._replicated)
+        args = (self.params, state, *host)
+        exe = self._executable("decode", self._decode_fn, args, {}, donate=(1,))
+        t0 = time.perf_counter()
+        state, report = exe(*args)
+        report = np.asarray(report)
+        seconds = time.perf_counter() - t0
+        out, C = report[:, : self.max_chunk], self.max_chunk
+        tokens = [row[row != NO_TOKEN].tolist() for row in out]
+        return state, DecodeOutput(tokens, report[:, C], report[:, C + 1].astype(bool), report[:, C + 2].astype(bool),
+                                   int(report[0, C + 3]) if B else 0, seconds)
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def encode(self, prompts) -> list[list[int]]:
+        """Token-id lists for a list of prompts (strings need the tokenizer), checked against the vocabulary."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             raise TypeError("prompts must be a list of strings or a list of token lists (wrap a single prompt in [])")
         rows = []
@@ -254,7 +487,8 @@ class Generator:
             raise ValueError("no prompts given")
         return rows
 
-    def _stop_ids(self, stop) -> np.ndarray:
+    def stop_ids(self, stop) -> np.ndarray:
+        """[N_STOP] int32 ids (-1 padded) for token ids or single-token strings."""
         ids = []
         for s in [] if stop is None else ([stop] if isinstance(stop, (int, str)) else stop):
             if isinstance(s, str):
@@ -265,7 +499,9 @@ class Generator:
                     raise ValueError(f"stop {s!r} encodes to {len(enc)} tokens {enc}; stops are single tokens")
                 s = enc[0]
             ids.append(int(s))
-        out = np.full((bucket(len(ids), 8),), -1, np.int32)  # up to 8 stops share one shape
+        if len(ids) > N_STOP:
+            raise ValueError(f"{len(ids)} stop ids given; at most {N_STOP}")
+        out = np.full((N_STOP,), -1, np.int32)
         out[: len(ids)] = ids
         return out
 
@@ -275,24 +511,19 @@ class Generator:
         if longest >= max_seq:
             raise ValueError(f"a prompt of {longest} tokens leaves no room to generate in model.max_seq_len={max_seq}: "
                              f"shorten it to at most {max_seq - 1} tokens")
-        dp = 1
-        for a in ("data", "fsdp"):
-            dp *= self.mesh.shape.get(a, 1)
-        B = bucket(len(rows))
-        B = dp * -(-B // dp)
         S = min(bucket(longest + max_tokens, MIN_PROMPT_BUCKET), max_seq)
-        Pb = min(bucket(longest, MIN_PROMPT_BUCKET), S)
-        return {"batch": B, "prompt": Pb, "max_len": S}
+        return {"batch": self.rows_for(len(rows)), "prompt": min(bucket(longest, MIN_PROMPT_BUCKET), S),
+                "max_len": S}
 
     # ----------------------------------------------------------------------------------------------------------------
     def stream(self, prompts, max_tokens=64, *, temperature=1.0, top_k=0, top_p=1.0, stop=None, seed=0,
                chunk: int = 8) -> Iterator[list[list[int]]]:
-        """Yield, after each compiled chunk of up to `chunk` decode steps, the new token ids of every row.
+        """Yield, after each compiled call of up to `chunk` decode steps (at most max_chunk), every row's new ids.
 
         Stop tokens are not yielded. The generator's return value (StopIteration.value) is the GenerationBatch
         `generate` would return. Arguments as in `generate`.
         """
-        rows = self._encode(prompts)
+        rows = self.encode(prompts)
         n = len(rows)
         per_row = {}
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_k", top_k),
@@ -302,67 +533,36 @@ class Generator:
                 raise ValueError(f"{name} has {len(values)} values for {n} prompts: give one value or one per prompt")
             per_row[name] = values
         for t, k, p in zip(per_row["temperature"], per_row["top_k"], per_row["top_p"]):
-            check_settings(t, k, p)
+            check_settings(t, k, p, self.cfg.vocab_size)
         if min(per_row["max_tokens"]) < 1 or chunk < 1:
             raise ValueError(f"max_tokens={max_tokens} and chunk={chunk} must be >= 1")
-        longest_budget = max(int(m) for m in per_row["max_tokens"])
-        shapes = self._shapes(rows, longest_budget)
-        B, Pb, S = shapes["batch"], shapes["prompt"], shapes["max_len"]
-        tokens = np.full((B, Pb), PAD_ID, np.int32)
-        lengths = np.ones((B,), np.int32)
-        for i, r in enumerate(rows):
-            tokens[i, : len(r)] = r
-            lengths[i] = len(r)
-        done = np.arange(B) >= n  # batch padding rows never decode
-
-        def column(name, dtype, pad):
-            return np.asarray(per_row[name] + [pad] * (B - n), dtype)
-
-        per_row["seed"] = [int(x) % 2**32 for x in per_row["seed"]]
-        seed_B = column("seed", np.uint32, 0)
-        seed_row_B = np.arange(B, dtype=np.int32) if not isinstance(seed, (list, tuple, np.ndarray)) else \
-            np.zeros((B,), np.int32)
-        batch_sh = NamedSharding(self.mesh, logical_to_spec(("batch", None), self.rules.activations, self.mesh, (B, Pb)))
-        row_sh = NamedSharding(self.mesh, logical_to_spec(("batch",), self.rules.activations, self.mesh, (B,)))
-        rep = self._replicated
-        args = (self.params, jax.device_put(tokens, batch_sh), jax.device_put(lengths, row_sh),
-                jax.device_put(done, row_sh), jax.device_put(seed_B, rep), jax.device_put(seed_row_B, rep))
+        shapes = self._shapes(rows, max(int(m) for m in per_row["max_tokens"]))
+        stops = np.tile(self.stop_ids(stop), (n, 1))
+        folds = list(range(n)) if not isinstance(seed, (list, tuple, np.ndarray)) else [0] * n
         compile_before = self.compile_s
-        prefill = self._executable("prefill", self._prefill_fn, args, {"max_len": S})
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(prefill(*args))
-        prefill_s = time.perf_counter() - t0
-
-        settings = jax.device_put(Settings(column("temperature", np.float32, 0.0), column("top_k", np.int32, 0),
-                                           column("top_p", np.float32, 1.0), column("max_tokens", np.int32, 1),
-                                           self._stop_ids(stop)), rep)
-        chunk_arr = jax.device_put(np.int32(min(chunk, longest_budget)), rep)
-        decode = self._executable("decode", self._decode_fn, (self.params, state, settings, chunk_arr), {},
-                                  donate=(1,))
-        decode_s = 0.0
-        seen = [0] * len(rows)
+        state = self.new_state(shapes["batch"], shapes["max_len"])
+        compile_insert, t0 = self.compile_s, time.perf_counter()
+        state = jax.block_until_ready(self.insert(
+            state, rows, list(range(n)), seeds=per_row["seed"], folds=folds, temperature=per_row["temperature"],
+            top_k=per_row["top_k"], top_p=per_row["top_p"], max_tokens=per_row["max_tokens"], stop_ids=stops))
+        prefill_s = time.perf_counter() - t0 - (self.compile_s - compile_insert)
+        decode_s, got = 0.0, [[] for _ in rows]
         while True:
-            t0 = time.perf_counter()
-            state = jax.block_until_ready(decode(self.params, state, settings, chunk_arr))
-            decode_s += time.perf_counter() - t0
-            host = jax.device_get((state.tokens_BxS, state.generated_B, state.stopped_B, state.done_B))
-            toks, gen, stopped, done_now = host
-            new = []
-            for i, r in enumerate(rows):
-                n = int(gen[i]) - int(stopped[i] and done_now[i])
-                new.append([int(t) for t in toks[i, len(r) + seen[i]: len(r) + n]])
-                seen[i] = n
+            state, out = self.decode(state, min(chunk, self.max_chunk))
+            decode_s += out.seconds
+            new = out.tokens[:n]
+            for g, ids in zip(got, new):
+                g.extend(ids)
             if any(new):
                 yield new
-            if done_now[: len(rows)].all():
+            if out.done[:n].all():
                 break
-        out = []
-        for i, r in enumerate(rows):
-            ids = [int(t) for t in toks[i, len(r): len(r) + seen[i]]]
+        result = []
+        for ids, r, stopped in zip(got, rows, out.stopped):
             text = self.tokenizer.decode(np.asarray(ids, np.int64)) if self.tokenizer is not None else None
-            out.append(Generation(ids, text, len(r), "stop" if stopped[i] else "length"))
-        return GenerationBatch(out, prefill_s, decode_s, self.compile_s - compile_before,
-                               sum(len(r) for r in rows), int(gen[: len(rows)].sum()), shapes)
+            result.append(Generation(ids, text, len(r), "stop" if stopped else "length"))
+        return GenerationBatch(result, max(prefill_s, 0.0), max(decode_s, 0.0), self.compile_s - compile_before,
+                               sum(len(r) for r in rows), int(out.generated[:n].sum()), shapes)
 
     def generate(self, prompts, max_tokens=64, *, temperature=1.0, top_k=0, top_p=1.0, stop=None,
                  seed=0) -> GenerationBatch:
@@ -379,7 +579,7 @@ class Generator:
           a GenerationBatch: rows of Generation(tokens, text, prompt_tokens, finish_reason) plus timings.
         """
         it = self.stream(prompts, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                         seed=seed, chunk=max(1, int(np.max(max_tokens))))
+                         seed=seed, chunk=self.max_chunk)
         while True:
             try:
                 next(it)
@@ -406,4 +606,4 @@ class TextStream:
         return piece
 
 
-__all__ = ["Generation", "GenerationBatch", "Generator", "TextStream", "cache_shape", "cache_sharding"]
+__all__ = ["DecodeOutput", "Generation", "GenerationBatch", "Generator", "TextStream", "unstack_layers"]

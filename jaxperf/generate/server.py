@@ -1,249 +1,78 @@
-"""`jaxperf serve`: an HTTP JSON API over a Generator that batches concurrent requests into one decode batch.
+"""`jaxperf serve`: an HTTP API over replicas of a Generator with continuous batching (jaxperf.generate.scheduler).
 
-    jaxperf serve --checkpoint runs/tiny --port 8000
+    jaxperf serve --checkpoint runs/tiny --port 8000 --replicas 2
     curl -s localhost:8000/generate -d '{"prompt": "def ", "max_tokens": 64, "temperature": 0.8}'
-    curl -sN localhost:8000/generate -d '{"prompt": "def ", "stream": true}'     # one JSON object per line
+    curl -sN localhost:8000/generate -d '{"prompt": "def ", "stream": true}'      # one JSON object per line
+    curl -s localhost:8000/v1/completions -d '{"prompt": "def ", "max_tokens": 64}' # OpenAI-style; "stream": SSE
 
 Routes:
-  POST /generate  {"prompt": str, "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
-                   "seed": int, "stream": bool}; only "prompt" is required. Answers {"text", "tokens",
-                   "prompt_tokens", "completion_tokens", "finish_reason", "batch_size", "queue_s", "timings"}, or with
-                   "stream": true, newline-delimited JSON: {"text": piece} as tokens arrive, then the same final object
-                   with "done": true. A bad request gets 400 (422 for a prompt too long for the model) and
-                   {"error": message}.
-  GET /health     {"status": "ok", model and device description}
-  GET /metrics    counters: requests, batches, rows per batch (last, max, mean), tokens, queue depth
-  GET /           a page to type a prompt and watch the continuation appear
+  POST /generate        {"prompt": str, "max_tokens": int, "temperature": float, "top_k": int, "top_p": float,
+                         "seed": int, "stream": bool}; only "prompt" is required. Answers {"text", "tokens",
+                         "prompt_tokens", "completion_tokens", "finish_reason", "replica", "slot", "batch_size",
+                         "queue_s", "ttft_s", "latency_s"}, or with "stream": true, newline-delimited JSON:
+                         {"text": piece, "tokens": ids} as tokens arrive, then the same final object with "done": true.
+  POST /v1/completions  OpenAI's completions API (jaxperf.generate.openai), JSON or server-sent events.
+  GET /v1/models        the served model, as OpenAI lists models.
+  GET /health           {"status": "ok", the model, replicas and their devices, limits}
+  GET /metrics          counters: received, requests, completed, rejected, failed, timeouts, cancelled, tokens, queue,
+                        active rows, slot uses, decode tokens/s, in total and per replica
+  GET /                 a page to type a prompt and watch the continuation appear
 
-Batching: one thread owns the model. It takes the first waiting request, waits up to `batch_window_s` for more (up to
-`max_batch`), and runs them together: one prefill, then the compiled decode loop in chunks of `chunk` steps, sending
-each request its new tokens after every chunk. Requests that arrive meanwhile wait for the next batch. Every request
-keeps its own settings and seed (see `Generator.stream`), so an answer does not depend on what it was batched with.
-Shapes are bucketed, so a handful of programs serve all traffic; `warmup()` compiles the common ones before the
-first request.
+Every answer is JSON, errors included: a bad request gets 400 with {"error": message} naming the field, its value,
+the allowed range and the fix (413 for a body over the cap, 422 for a prompt too long for the model; OpenAI's
+error shape on /v1); a request that runs past the server's timeout gets 504 and frees its slot; an internal failure
+gets 500 with the reason, and only the requests it touched fail. A client that disconnects is cancelled: its slot is
+freed at the next chunk boundary. Bodies are read up to `max_body_bytes` and parsed (and tokenized) off the event
+loop, so a huge or slow body never stalls /health.
 """
 
 from __future__ import annotations
 
 import asyncio
 import html
-import dataclasses
 import json
-import math
-import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
-from jaxperf.generate.engine import TextStream
+from jaxperf.generate import openai
+from jaxperf.generate.engine import Generator
+from jaxperf.generate.requests import BadRequest, Limits, decode_body, parse_generate
+from jaxperf.generate.scheduler import Request, Scheduler
 
-FIELDS = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stream"}
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
+POLL_S = 0.2  # how often a waiting handler checks that its client is still there
+BACKSTOP_S = 30.0  # an answer later than timeout + this is given up by the handler itself (a stuck replica)
 
 
-@dataclasses.dataclass
-class Request:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stream: bool
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
-
-
-def parse_request(body: Any, tokenizer, *, max_tokens_limit: int, max_seq_len: int, default_max_tokens: int = 64,
-                  default_temperature: float = 0.8) -> dict[str, Any]:
-    """Validate a /generate body; returns the settings or raises BadRequest with what is wrong and how to fix it."""
-    if not isinstance(body, dict):
-        raise BadRequest(f"the body must be a JSON object, got {type(body).__name__}")
-    unknown = sorted(set(body) - FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; accepted: {sorted(FIELDS)}")
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str) or not prompt:
-        raise BadRequest("'prompt' is required and must be a non-empty string")
-
-    def number(name, kind, default):
-        value = body.get(name, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if kind is int:
-            ok = ok and float(value).is_integer()
-        if not ok:
-            raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-        return kind(value)
-
-    max_tokens = number("max_tokens", int, default_max_tokens)
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise BadRequest(f"'max_tokens'={max_tokens} must lie in [1, {max_tokens_limit}] (the server's limit)")
-    temperature = number("temperature", float, default_temperature)
-    if temperature < 0:
-        raise BadRequest(f"'temperature'={temperature} must be >= 0 (0 = greedy)")
-    top_k = number("top_k", int, 0)
-    if top_k < 0:
-        raise BadRequest(f"'top_k'={top_k} must be >= 0 (0 = off)")
-    top_p = number("top_p", float, 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"'top_p'={top_p} must lie in (0, 1] (1 = off)")
-    seed = number("seed", int, 0)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be true or false, got {stream!r}")
-    ids = [int(t) for t in tokenizer.encode(prompt)]
-    if not ids:
-        raise BadRequest("the prompt encodes to no tokens")
-    if len(ids) >= max_seq_len:
-        raise BadRequest(f"the prompt is {len(ids)} tokens; the model takes at most {max_seq_len - 1} before "
-                         f"generating (model.max_seq_len={max_seq_len}): shorten it", status=422)
-    return {"prompt_ids": ids, "max_tokens": max_tokens, "temperature": temperature, "top_k": top_k,
-            "top_p": top_p, "seed": seed, "stream": stream}
-
-
-class Metrics:
-    """Counters the server exposes at /metrics (thread-safe)."""
-
+class _HTTPCounters:
     def __init__(self):
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.rejected = 0
-        self.batches = 0
-        self.rows = 0
-        self.last_batch_size = 0
-        self.max_batch_size = 0
-        self.tokens_generated = 0
-        self.decode_s = 0.0
+        self.lock = threading.Lock()
+        self.rejected = 0  # 4xx answers
+        self.errors = 0  # 5xx answers from the HTTP layer itself (an exception in a handler)
 
-    def add(self, **counts):
-        with self._lock:
-            for k, v in counts.items():
-                setattr(self, k, getattr(self, k) + v)
-
-    def batch(self, size: int, tokens: int, decode_s: float):
-        with self._lock:
-            self.batches += 1
-            self.rows += size
-            self.last_batch_size = size
-            self.max_batch_size = max(self.max_batch_size, size)
-            self.tokens_generated += tokens
-            self.decode_s += decode_s
-
-    def as_dict(self, queue_depth: int) -> dict[str, Any]:
-        with self._lock:
-            return {"requests": self.requests, "rejected": self.rejected, "batches": self.batches,
-                    "last_batch_size": self.last_batch_size, "max_batch_size": self.max_batch_size,
-                    "mean_batch_size": self.rows / self.batches if self.batches else 0.0,
-                    "tokens_generated": self.tokens_generated,
-                    "decode_tokens_per_s": self.tokens_generated / self.decode_s if self.decode_s else 0.0,
-                    "queue_depth": queue_depth}
+    def add(self, name: str) -> None:
+        with self.lock:
+            setattr(self, name, getattr(self, name) + 1)
 
 
-class Batcher:
-    """Owns the Generator on one thread and runs waiting requests together (see the module docstring)."""
-
-    def __init__(self, generator, *, max_batch: int = 8, batch_window_s: float = 0.01, chunk: int = 8,
-                 metrics: Metrics | None = None):
-        if max_batch < 1 or chunk < 1 or batch_window_s < 0:
-            raise ValueError(f"max_batch={max_batch} and chunk={chunk} must be >= 1, batch_window_s >= 0")
-        self.gen, self.max_batch, self.window, self.chunk = generator, max_batch, batch_window_s, chunk
-        self.metrics = metrics or Metrics()
-        self._queue: queue.Queue[Request | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-
-    @property
-    def queue_depth(self) -> int:
-        return self._queue.qsize()
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="jaxperf-batcher", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=60)
-            self._thread = None
-
-    def submit(self, request: Request) -> None:
-        self._queue.put(request)
-
-    def warmup(self, prompt_ids: list[int], max_tokens: int = 16) -> float:
-        """Compile the programs of a one-row request of this size before serving; returns the compile seconds."""
-        before = self.gen.compile_s
-        it = self.gen.stream([prompt_ids], max_tokens, temperature=0.0, chunk=self.chunk)
-        for _ in it:
-            pass
-        return self.gen.compile_s - before
-
-    def _collect(self) -> list[Request] | None:
-        first = self._queue.get()
-        if first is None:
-            return None
-        batch = [first]
-        deadline = time.perf_counter() + self.window
-        while len(batch) < self.max_batch:
-            timeout = deadline - time.perf_counter()
-            try:
-                nxt = self._queue.get(timeout=max(timeout, 0)) if timeout > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if nxt is None:
-                self._queue.put(None)
-                break
-            batch.append(nxt)
-        return batch
-
-    def _run(self) -> None:
-        while True:
-            batch = self._collect()
-            if batch is None:
-                return
-            try:
-                self._serve(batch)
-            except Exception as e:  # a failed batch answers its requests with the error; the server stays up
-                for r in batch:
-                    self._send(r, {"error": f"generation failed: {type(e).__name__}: {e}", "done": True})
-
-    @staticmethod
-    def _send(r: Request, event: dict) -> None:
-        r.loop.call_soon_threadsafe(r.events.put_nowait, event)
-
-    def _serve(self, batch: list[Request]) -> None:
-        started = time.perf_counter()
-        texts = [TextStream(self.gen.tokenizer) for _ in batch]
-        stream = self.gen.stream([r.prompt_ids for r in batch], [r.max_tokens for r in batch],
-                                 temperature=[r.temperature for r in batch], top_k=[r.top_k for r in batch],
-                                 top_p=[r.top_p for r in batch], seed=[r.seed for r in batch], chunk=self.chunk)
-        while True:
-            try:
-                new = next(stream)
-            except StopIteration as e:
-                result = e.value
-                break
-            for r, t, ids in zip(batch, texts, new):
-                piece = t.push(ids)
-                if r.stream and piece:
-                    self._send(r, {"text": piece})
-        self.metrics.batch(len(batch), result.decode_tokens, result.decode_s)
-        for r, t, row in zip(batch, texts, result):
-            tail = t.finish()
-            if r.stream and tail:
-                self._send(r, {"text": tail})
-            self._send(r, {
-                "done": True, "text": row.text, "tokens": row.tokens,
-                "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.tokens),
-                "finish_reason": row.finish_reason, "batch_size": len(batch), "queue_s": started - r.arrived,
-                "timings": {k: v for k, v in result.timings().items() if math.isfinite(v)},
-            })
+async def read_body(request, max_bytes: int) -> bytes:
+    """The request body, refused with 413 past `max_bytes` (before reading when Content-Length says so)."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise BadRequest(f"Content-Length {length!r} is not a number of bytes")
+        if int(length) > max_bytes:
+            raise BadRequest(f"the body is {int(length)} bytes; this server takes at most {max_bytes} "
+                             f"(jaxperf serve --max-body-bytes)", status=413)
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > max_bytes:
+            raise BadRequest(f"the body is over {max_bytes} bytes, the most this server takes "
+                             f"(jaxperf serve --max-body-bytes)", status=413)
+        chunks.append(part)
+    return b"".join(chunks)
 
 
 PAGE = """<!doctype html>
@@ -285,8 +114,8 @@ document.getElementById("go").onclick = async () => {
       const event = JSON.parse(buffer.slice(0, nl)); buffer = buffer.slice(nl + 1);
       if (event.error) { stats.textContent = event.error; }
       else if (event.done) {
-        stats.textContent = event.completion_tokens + " tokens, " + event.finish_reason + ", batch of " +
-          event.batch_size + ", " + Math.round(event.timings.decode_tokens_per_s || 0) + " tok/s decode";
+        stats.textContent = event.completion_tokens + " tokens, " + event.finish_reason + ", first token after " +
+          Math.round(1000 * event.ttft_s) + " ms, done after " + Math.round(1000 * event.latency_s) + " ms";
       } else { out.textContent += event.text; }
     }
   }
@@ -295,77 +124,201 @@ document.getElementById("go").onclick = async () => {
 """
 
 
-def create_app(generator, *, max_batch: int = 8, batch_window_s: float = 0.01, chunk: int = 8,
-               max_tokens_limit: int = 512, description: str = ""):
-    """The Starlette application; the batcher thread starts and stops with the app's lifespan.
+def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 8, max_len: int | None = None,
+               chunk: int = 8, batching: str = "continuous", batch_window_s: float = 0.01, prefill_budget: int = 2048,
+               max_tokens_limit: int = 512, request_timeout_s: float | None = 120.0, max_body_bytes: int = 1 << 20,
+               model_name: str = "jaxperf", description: str = ""):
+    """The Starlette application; the replicas' threads start and stop with the app's lifespan.
 
-    `app.state.batcher` and `app.state.metrics` are reachable for tests and embedding.
+    Args:
+      generators: one Generator per replica (e.g. `gen.on(mesh)` for each of `scheduler.replica_meshes(n)`).
+      max_batch: decode rows (slots) per replica; max_len: cache slots per row (default the model's context).
+      chunk: decode steps per call between boundaries (admission, streaming, cancellation, timeouts).
+      batching: "continuous" or "static" (the baseline; see jaxperf.generate.scheduler).
+      batch_window_s: static batching waits this long to fill a batch.
+      prefill_budget: padded prompt tokens one admission prefills at most.
+      max_tokens_limit: the largest max_tokens a request may ask for.
+      request_timeout_s: a request still unanswered after this many seconds gets 504 (None: no timeout).
+      max_body_bytes: larger bodies get 413.
+      model_name: the name /v1 answers to.
+    `app.state.scheduler` and `app.state.http_counters` are reachable for tests and embedding.
     """
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.requests import Request as HTTPRequest
-    from starlette.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    metrics = Metrics()
-    batcher = Batcher(generator, max_batch=max_batch, batch_window_s=batch_window_s, chunk=chunk, metrics=metrics)
-    cfg = generator.cfg
-    limit = min(max_tokens_limit, cfg.max_seq_len - 1)
-    info = {"model": {"style": cfg.style, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
-                      "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len},
-            "mesh": {k: int(v) for k, v in generator.mesh.shape.items()},
-            "device": str(generator.mesh.devices.flat[0].device_kind), "max_batch": max_batch,
-            "max_tokens_limit": limit}
-    description = description or (f"{cfg.style} model, {cfg.n_layers} layers, d_model {cfg.d_model}, "
-                                   f"context {cfg.max_seq_len}, on {info['device']}")
+    gens = [generators] if isinstance(generators, Generator) else list(generators)
+    scheduler = Scheduler(gens, slots=max_batch, max_len=max_len, chunk=chunk, batching=batching,
+                          batch_window_s=batch_window_s, prefill_budget=prefill_budget)
+    counters = _HTTPCounters()
+    gen = gens[0]
+    cfg = gen.cfg
+    context = scheduler.replicas[0].max_len  # the cache slots per row: prompt and output together
+    limits = Limits(max_tokens=max(1, min(max_tokens_limit, context - 1)), max_seq_len=context,
+                    vocab_size=cfg.vocab_size, tokenizer=gen.tokenizer, max_body_bytes=max_body_bytes)
+    info = {"model": {"name": model_name, "style": cfg.style, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+                      "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len, "int8": gen.quantized,
+                      "weight_bytes": gen.weight_bytes},
+            "replicas": [{"devices": [str(d) for d in g.mesh.devices.flat],
+                          "mesh": {k: int(v) for k, v in g.mesh.shape.items()}} for g in gens],
+            "device": str(gen.mesh.devices.flat[0].device_kind), "max_batch": scheduler.replicas[0].slots,
+            "batching": batching, "chunk": chunk, "max_tokens_limit": limits.max_tokens,
+            "request_timeout_s": request_timeout_s, "max_body_bytes": max_body_bytes}
+    description = description or (f"{cfg.style} model, {cfg.n_layers} layers, d_model {cfg.d_model}, context "
+                                   f"{cfg.max_seq_len}, {len(gens)} replica(s) on {info['device']}"
+                                   + (", int8 weights" if gen.quantized else ""))
+
+    async def body_of(request: HTTPRequest, parse):
+        """Read, decode and validate a body off the event loop; BadRequest on any problem."""
+        raw = await read_body(request, max_body_bytes)
+        return await asyncio.to_thread(lambda: parse(decode_body(raw)))
+
+    def submit(settings: dict) -> tuple[Request, asyncio.Queue]:
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(event: dict) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        req = Request(settings["prompt_ids"], settings["max_tokens"], settings["temperature"], settings["top_k"],
+                      settings["top_p"], settings["seed"], deliver, stop=settings.get("stop", ()),
+                      timeout_s=request_timeout_s)
+        scheduler.submit(req)
+        return req, events
+
+    async def events_of(req: Request, events: asyncio.Queue, http: HTTPRequest) -> AsyncIterator[dict]:
+        """The request's events until its final one; cancels it if the client leaves or the caller stops early."""
+        finished = False
+        limit = None if request_timeout_s is None else request_timeout_s + BACKSTOP_S
+        checked = time.perf_counter()
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(events.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    event = None
+                if event is not None:
+                    finished = bool(event.get("done"))
+                    yield event
+                    if finished:
+                        return
+                now = time.perf_counter()
+                if now - checked >= POLL_S:  # also while events flow: a non-streaming client sees none of them
+                    checked = now
+                    if await http.is_disconnected():
+                        return
+                if event is None and limit is not None and now - req.arrived > limit:
+                    finished = True
+                    req.cancel()
+                    yield {"error": f"no answer within {limit:g} s: the server is overloaded or stuck; retry later",
+                           "status": 504, "done": True}
+                    return
+        finally:
+            if not finished:
+                req.cancel()
+
+    def reject(e: BadRequest, openai_shape: bool):
+        counters.add("rejected")
+        body = openai.error(str(e), e.status, e.param) if openai_shape else {"error": str(e)}
+        return JSONResponse(body, status_code=e.status)
 
     async def generate(request: HTTPRequest):
         try:
-            try:
-                body = json.loads(await request.body() or b"null")
-            except json.JSONDecodeError as e:
-                raise BadRequest(f"the body is not valid JSON: {e}") from None
-            settings = parse_request(body, generator.tokenizer, max_tokens_limit=limit, max_seq_len=cfg.max_seq_len,
-                                     default_max_tokens=min(64, limit))
+            settings = await body_of(request, lambda b: parse_generate(b, limits))
         except BadRequest as e:
-            metrics.add(rejected=1)
-            return JSONResponse({"error": str(e)}, status_code=e.status)
-        metrics.add(requests=1)
-        loop = asyncio.get_running_loop()
-        req = Request(**settings, loop=loop, events=asyncio.Queue())
-        batcher.submit(req)
-        if not req.stream:
-            while True:
-                event = await req.events.get()
+            return reject(e, False)
+        req, events = submit(settings)
+        if not settings["stream"]:
+            async for event in events_of(req, events, request):
                 if event.get("done"):
-                    return JSONResponse(event, status_code=500 if "error" in event else 200)
+                    if "error" in event:
+                        return JSONResponse({"error": event["error"]}, status_code=event["status"])
+                    return JSONResponse(event)
+            return Response(status_code=499)  # the client is gone
 
         async def lines():
-            while True:
-                event = await req.events.get()
-                yield json.dumps(event) + "\n"
-                if event.get("done"):
-                    return
+            async for event in events_of(req, events, request):
+                yield json.dumps({k: v for k, v in event.items() if k != "status"}) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def completions(request: HTTPRequest):
+        try:
+            settings = await body_of(request, lambda b: openai.parse_completion(b, limits, model=model_name))
+        except BadRequest as e:
+            return reject(e, True)
+        req, events = submit(settings)
+        created = int(time.time())
+        ids = dict(request_id=req.id, model=model_name, created=created)
+        prefix = settings["prompt"] if settings["echo"] else ""
+        if not settings["stream"]:
+            async for event in events_of(req, events, request):
+                if event.get("done"):
+                    if "error" in event:
+                        return JSONResponse(openai.error(event["error"], event["status"]),
+                                            status_code=event["status"])
+                    return JSONResponse(openai.completion(event, prefix=prefix, **ids))
+            return Response(status_code=499)
+
+        async def stream():
+            if prefix:
+                yield openai.sse(openai.chunk(prefix, None, **ids))
+            async for event in events_of(req, events, request):
+                if "error" in event:
+                    yield openai.sse(openai.error(event["error"], event["status"]))
+                elif event.get("done"):
+                    yield openai.sse(openai.chunk("", event["finish_reason"], **ids))
+                    if settings["include_usage"]:
+                        yield openai.sse(openai.usage_chunk(event, **ids))
+                elif event["text"] or event["tokens"]:
+                    yield openai.sse(openai.chunk(event["text"], None, **ids))
+            yield openai.sse("[DONE]")
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def health(_):
         return JSONResponse({"status": "ok", **info})
 
     async def metrics_route(_):
-        return JSONResponse(metrics.as_dict(batcher.queue_depth))
+        with counters.lock:
+            http = {"rejected": counters.rejected, "http_errors": counters.errors}
+        return JSONResponse({**scheduler.metrics(), **http})
+
+    async def models_route(_):
+        return JSONResponse(openai.models(model_name))
 
     async def page(_):
         return HTMLResponse(PAGE.replace("MODEL_DESCRIPTION", html.escape(description)))
 
+    async def http_error(request: HTTPRequest, exc: HTTPException):
+        if exc.status_code < 500:
+            counters.add("rejected")
+        message = {404: f"no route {request.url.path}; see / for the page, /health, /metrics, /generate and /v1",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+        return JSONResponse({"error": message}, status_code=exc.status_code)
+
+    async def internal_error(request: HTTPRequest, exc: Exception):
+        counters.add("errors")
+        message = f"internal error: {type(exc).__name__}: {str(exc)[:300]}"
+        body = openai.error(message, 500) if request.url.path.startswith("/v1") else {"error": message}
+        return JSONResponse(body, status_code=500)
+
     @asynccontextmanager
     async def lifespan(_app):
-        batcher.start()
+        scheduler.start()
         try:
             yield
         finally:
-            batcher.stop()
+            scheduler.stop()
 
-    app = Starlette(routes=[Route("/generate", generate, methods=["POST"]), Route("/health", health),
-                            Route("/metrics", metrics_route), Route("/", page)], lifespan=lifespan)
-    app.state.batcher, app.state.metrics = batcher, metrics
+    app = Starlette(routes=[Route("/generate", generate, methods=["POST"]),
+                            Route("/v1/completions", completions, methods=["POST"]),
+                            Route("/v1/models", models_route), Route("/health", health),
+                            Route("/metrics", metrics_route), Route("/", page)],
+                    exception_handlers={HTTPException: http_error, Exception: internal_error}, lifespan=lifespan)
+    app.state.scheduler, app.state.http_counters, app.state.limits = scheduler, counters, limits
     return app
+
+
+__all__ = ["PAGE", "create_app", "read_body"]

@@ -17,12 +17,12 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
-from jaxperf.models.layers import Block, Norm, _param, dense
+from jaxperf.models.layers import Block, Norm, _param, dense, embed_lookup
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.parallel.rules import constrain
 
-# Logical axes of the KV cache [N, B, S, K, Dh]: rows follow the batch (data axes), KV heads follow the tensor axis.
-CACHE_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+# Logical axes of one layer's KV cache [B, K, S, Dh]: rows follow the batch (data axes), KV heads the tensor axis.
+CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
 
 REMAT_POLICIES = {
     "none": None,
@@ -78,9 +78,9 @@ class GPT(nnx.Module):
     def embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """Token embeddings plus learned positions (when the style has them): [B, L, D] in the compute dtype."""
         dt = jnp.dtype(self.cfg.dtype)
-        x_BxLxD = jnp.take(self.embed_VxD[...], tokens_BxL, axis=0).astype(dt)
+        x_BxLxD = embed_lookup(self.embed_VxD[...], tokens_BxL, dt)
         if self.pos_LxD is not None:
-            x_BxLxD = x_BxLxD + jnp.take(self.pos_LxD[...], positions_BxL, axis=0).astype(dt)
+            x_BxLxD = x_BxLxD + embed_lookup(self.pos_LxD[...], positions_BxL, dt)
         return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
 
     def hidden(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:
@@ -115,13 +115,25 @@ class GPT(nnx.Module):
                 x_BxLxD = apply(graphdef, state, x_BxLxD, positions_BxL, segment_ids_BxL)
         return self.final_norm(x_BxLxD)
 
-    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[jax.Array, jax.Array]:
-        """Zeroed KV cache (k, v), each [N, B, max_len, K, Dh] in the compute dtype (see `cached`)."""
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """Zeroed KV cache (k, v): one [B, K, max_len, Dh] array per layer, in the compute dtype (see `cached`).
+
+        One array per layer, not one stacked [N, ...] array: a layer reads and writes its own buffer in place, where a
+        stacked cache would be sliced (copied) for every layer of every step.
+        """
         cfg = self.cfg
-        shape = (cfg.n_layers, batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
         dt = jnp.dtype(dtype or cfg.dtype)
-        axes = CACHE_AXES
-        return constrain(jnp.zeros(shape, dt), axes), constrain(jnp.zeros(shape, dt), axes)
+        k = tuple(constrain(jnp.zeros(shape, dt), CACHE_AXES) for _ in range(cfg.n_layers))
+        v = tuple(constrain(jnp.zeros(shape, dt), CACHE_AXES) for _ in range(cfg.n_layers))
+        return k, v
+
+    def layer_modules(self) -> list[Block]:
+        """The N blocks as separate modules (stacked layers sliced per layer; a list as it is)."""
+        if not self.cfg.scan_layers:
+            return list(self.blocks)
+        graphdef, state = nnx.split(self.blocks)
+        return [nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)) for i in range(self.cfg.n_layers)]
 
     def cached(self, tokens_BxT, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):
         """The forward over a KV cache: (final-norm hidden [B, T, D], k_cache, v_cache).
@@ -129,43 +141,32 @@ class GPT(nnx.Module):
         Prefill (`index_B` None): T prompt tokens per row fill cache slots [0, T) and attend causally, as in `hidden`
         (right-padded prompts: padding after a row's last token changes none of its real positions). Decode
         (`index_B` [B], T == 1): row b's token is written to slot index_B[b] and attends to slots [0, index_B[b]].
-        `positions_BxT` are the tokens' positions (for learned positions and RoPE); the caches are
-        [N, B, S, K, Dh] as made by `init_cache`. `attend` replaces the decode attention (signature of
-        `jaxperf.models.layers.decode_attention`). Remat does not apply: nothing is differentiated here.
+        `positions_BxT` are the tokens' positions (for learned positions and RoPE); the caches are tuples of one
+        [B, K, S, Dh] array per layer as made by `init_cache`. `attend` replaces the decode attention (signature of
+        `jaxperf.models.layers.decode_attention`). The layers run one after the other in Python, so each reads its
+        own cache buffer; stacked (`scan_layers`) parameters are sliced per layer here, so a server keeps them
+        unstacked (`jaxperf.generate` does). Remat does not apply: nothing is differentiated here.
         """
         cfg = self.cfg
         dt = jnp.dtype(cfg.dtype)
-        S = k_cache.shape[2]
+        if len(k_cache) != cfg.n_layers or len(v_cache) != cfg.n_layers:
+            raise ValueError(f"the cache has {len(k_cache)} layers, the model {cfg.n_layers}: make it with init_cache")
+        S = k_cache[0].shape[2]
         if tokens_BxT.shape[1] > S:
             raise ValueError(f"{tokens_BxT.shape[1]} tokens do not fit a cache of {S} slots: make the cache longer")
-        x_BxTxD = jnp.take(self.embed_VxD[...], tokens_BxT, axis=0).astype(dt)
+        x_BxTxD = embed_lookup(self.embed_VxD[...], tokens_BxT, dt)
         if self.pos_LxD is not None:
-            x_BxTxD = x_BxTxD + jnp.take(self.pos_LxD[...], positions_BxT, axis=0, mode="clip").astype(dt)
+            x_BxTxD = x_BxTxD + embed_lookup(self.pos_LxD[...], positions_BxT, dt, mode="clip")
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-
-        def layer(block, x, kc, vc, i):
-            k_l, v_l = kc[i], vc[i]
-            x, k_l, v_l = block.cached(x, positions_BxT, k_l, v_l, index_B, attend=attend)
-            kc = jax.lax.dynamic_update_index_in_dim(kc, k_l, i, 0)
-            vc = jax.lax.dynamic_update_index_in_dim(vc, v_l, i, 0)
-            return x, constrain(kc, CACHE_AXES), constrain(vc, CACHE_AXES)
-
-        if cfg.scan_layers:
-            graphdef, state = nnx.split(self.blocks)
-
-            def body(carry, xs):
-                layer_state, i = xs
-                return layer(nnx.merge(graphdef, layer_state), *carry, i), None
-
-            carry = (x_BxTxD, k_cache, v_cache)
-            (x_BxTxD, k_cache, v_cache), _ = jax.lax.scan(body, carry, (state, jnp.arange(cfg.n_layers)))
-        else:
-            for i, block in enumerate(self.blocks):
-                x_BxTxD, k_cache, v_cache = layer(block, x_BxTxD, k_cache, v_cache, i)
-        return self.final_norm(x_BxTxD), k_cache, v_cache
+        k_out, v_out = [], []
+        for block, k_l, v_l in zip(self.layer_modules(), k_cache, v_cache):
+            x_BxTxD, k_l, v_l = block.cached(x_BxTxD, positions_BxT, k_l, v_l, index_B, attend=attend)
+            k_out.append(constrain(k_l, CACHE_AXES))
+            v_out.append(constrain(v_l, CACHE_AXES))
+        return self.final_norm(x_BxTxD), tuple(k_out), tuple(v_out)
 
     def output_weights(self) -> jax.Array:
-        """The output projection [D, V] (the embedding table transposed when tied)."""
+        """The output projection [D, V] (the embedding table transposed when tied; an `Int8Weight` when quantized)."""
         return self.embed_VxD[...].T if self.head_DxV is None else self.head_DxV[...]
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL=None, segment_ids_BxL=None) -> jax.Array:

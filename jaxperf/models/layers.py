@@ -1,7 +1,9 @@
 """Transformer building blocks as Flax NNX modules whose parameters carry logical axis names.
 
-Legend: B batch, L length, D embed, H heads, K kv heads, G = H / K query heads per KV head, Dh head dim, F mlp, V vocab.
+Legend: B batch, L length, D embed, H heads, K kv heads, G = H / K query heads per KV head, Dh head dim, F mlp, V vocab,
+S cache slots, T new tokens.
 Parameters are stored in `param_dtype` and cast to the compute `dtype` where used; norms, softmax and RoPE run in fp32.
+A weight may also be an int8 `jaxperf.models.quant.Int8Weight`: `dense` and `embed_lookup` dequantise it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from jaxperf._compat import no_eager_sharding
 from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
+from jaxperf.models.quant import Int8Weight
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
 from jaxperf.parallel.rules import constrain, sequence_is_split
@@ -55,18 +58,27 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
     bias, softmax) into a transposing copy for the weight gradient, which costs more than the matmuls; GPU and TPU
     compilers fuse that well, so the model config turns it on for CPU meshes only (`model.matmul_grad_barrier`,
     settled by jaxperf.models.platform).
+
+    An int8 weight (`Int8Weight`, one scale per output channel) is multiplied as int8 values converted to x's dtype,
+    and the [.., out] result is scaled afterwards: the fp32 weight is never rebuilt.
     """
-    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
     if x.shape[x.ndim - n_in:] != in_shape:
         raise ValueError(f"dense: x {x.shape} does not end in the weight's input dims {in_shape} (w {w.shape})")
     lead = x.shape[: x.ndim - n_in]
-    if len(lead) > 1 and sequence_is_split():
+    k, n = math.prod(in_shape), math.prod(out_shape)
+    if isinstance(w, Int8Weight):
+        if any(d != 1 for d in w.scale.shape[:n_in]):
+            raise ValueError(f"dense: int8 scales {w.scale.shape} must be per output channel (1 on the input dims)")
+        y = x.reshape(math.prod(lead), k) @ w.q.reshape(k, n).astype(x.dtype)
+        y = y * w.scale.reshape(1, n).astype(y.dtype)
+    elif len(lead) > 1 and sequence_is_split():
         # Rows split over the batch axes and the sequence over `seq` do not merge into one split dim: a 2-D reshape
         # would gather the sequence onto every device. Contract the trailing dims in place instead.
         y = jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
         return _materialise_cotangent(y) if grad_barrier else y
-    k = math.prod(in_shape)
-    y = x.reshape(math.prod(lead), k) @ w.reshape(k, math.prod(out_shape))
+    else:
+        y = x.reshape(math.prod(lead), k) @ w.reshape(k, n)
     if grad_barrier:
         y = _materialise_cotangent(y)
     return y.reshape(*lead, *out_shape)
@@ -86,6 +98,14 @@ def _row(h, w, n_in: int, hooks: LayerHooks, grad_barrier: bool):
     if hooks.sequence_parallel is not None:
         return sequence_parallel_row(h, w, hooks.sequence_parallel, n_in)
     return hooks.row_parallel(dense(h, w, n_in, grad_barrier=grad_barrier))
+
+
+def embed_lookup(table, ids: jax.Array, dtype, *, mode=None) -> jax.Array:
+    """Rows `ids` of an embedding table [V, D] (an array or an int8 table with one scale per row) in `dtype`."""
+    if isinstance(table, Int8Weight):
+        rows = jnp.take(table.q, ids, axis=0, mode=mode).astype(jnp.float32)
+        return (rows * jnp.take(table.scale, ids, axis=0, mode=mode)).astype(dtype)
+    return jnp.take(table, ids, axis=0, mode=mode).astype(dtype)
 
 
 def _ones(key, shape, dtype):
@@ -202,52 +222,57 @@ class Attention(nnx.Module):
             o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
         return self._out(o_BxLxHxDh, hooks)
 
-    def cached(self, x_BxTxD, positions_BxT, k_cache_BxSxKxDh, v_cache_BxSxKxDh, index_B=None, *,
-               attend=None):
-        """Attention that reads and extends a KV cache: (y [B, T, D], k_cache, v_cache).
+    def cached(self, x_BxTxD, positions_BxT, k_cache_BxKxSxDh, v_cache_BxKxSxDh, index_B=None, *, attend=None):
+        """Attention that reads and extends one layer's KV cache: (y [B, T, D], k_cache, v_cache).
 
-        Prefill (`index_B` None): the T new keys and values go to slots [0, T) of every row and the queries attend
-        causally among themselves, exactly as in `__call__`. Decode (`index_B` given, T == 1): row b's key and value
-        go to slot index_B[b] and its query attends to slots [0, index_B[b]] through `attend` (default
-        `decode_attention`; a kernel with the same signature can take its place).
+        The cache is [B, K, S, Dh]: for each row and KV head the S slots are contiguous, the layout decode attention
+        reads (a batched matmul over (B, K) with Dh or S as the contracted dim), so a decode step reads the cache in
+        place and never transposes it. Prefill (`index_B` None): the T new keys and values go to slots [0, T) of
+        every row and the queries attend causally among themselves, exactly as in `__call__`. Decode (`index_B`
+        given, T == 1): row b's key and value go to slot index_B[b] and its query attends to slots
+        [0, index_B[b]] through `attend` (default `decode_attention`; a kernel with the same signature can take its
+        place).
         """
         q, k, v = self._qkv(x_BxTxD, positions_BxT)
-        k, v = k.astype(k_cache_BxSxKxDh.dtype), v.astype(v_cache_BxSxKxDh.dtype)
-        cache_axes = ("batch", "seq", "kv_heads", "head_dim")
+        k, v = k.astype(k_cache_BxKxSxDh.dtype), v.astype(v_cache_BxKxSxDh.dtype)
+        cache_axes = ("batch", "kv_heads", "seq", "head_dim")
         if index_B is None:
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxSxKxDh, k, 0, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxSxKxDh, v, 0, axis=1)
+            k_BxKxTxDh, v_BxKxTxDh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxKxSxDh, k_BxKxTxDh, 0, axis=2)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxKxSxDh, v_BxKxTxDh, 0, axis=2)
             o = attention(q, k, v, causal=True, impl=self.cfg.attention_impl)
         else:
             if q.shape[1] != 1:
                 raise ValueError(f"decode takes one new token per row, got {q.shape[1]}; prefill with index_B=None")
             rows_B = jnp.arange(q.shape[0])
-            k_cache = k_cache_BxSxKxDh.at[rows_B, index_B].set(k[:, 0], mode="drop")
-            v_cache = v_cache_BxSxKxDh.at[rows_B, index_B].set(v[:, 0], mode="drop")
+            # Advanced indices on axes 0 and 2 around a slice: the update is [B, K, Dh], one slot per row.
+            k_cache = k_cache_BxKxSxDh.at[rows_B, :, index_B].set(k[:, 0], mode="drop")
+            v_cache = v_cache_BxKxSxDh.at[rows_B, :, index_B].set(v[:, 0], mode="drop")
             k_cache, v_cache = constrain(k_cache, cache_axes), constrain(v_cache, cache_axes)
             o = (attend or decode_attention)(q, k_cache, v_cache, index_B + 1)
         return (self._out(o.astype(x_BxTxD.dtype), DEFAULT_HOOKS), constrain(k_cache, cache_axes),
                 constrain(v_cache, cache_axes))
 
 
-def decode_attention(q_Bx1xHxDh, k_cache_BxSxKxDh, v_cache_BxSxKxDh, lengths_B):
-    """One query per row against a cache: row b attends to slots [0, lengths_B[b]) (the XLA reference).
+def decode_attention(q_Bx1xHxDh, k_cache_BxKxSxDh, v_cache_BxKxSxDh, lengths_B):
+    """One query per row against a cache [B, K, S, Dh]: row b attends to slots [0, lengths_B[b]) (the XLA reference).
 
     The math is that of `xla_attention` (fp32 scores and softmax, grouped-query heads), with the causal mask replaced
-    by per-row lengths, so a decode step reproduces the full forward. A Pallas decode kernel that takes the same
-    arguments and returns [B, 1, H, Dh] can replace it (`Attention.cached(attend=...)`).
+    by per-row lengths, so a decode step reproduces the full forward. Both matmuls are batched over (B, K) and
+    contract the cache's minor dims as they lie in memory (Dh for the scores, S for the values). A Pallas decode
+    kernel that takes the same arguments and returns [B, 1, H, Dh] can replace it (`Attention.cached(attend=...)`).
     """
     B, _, H, Dh = q_Bx1xHxDh.shape
-    S, K = k_cache_BxSxKxDh.shape[1], k_cache_BxSxKxDh.shape[2]
+    K, S = k_cache_BxKxSxDh.shape[1], k_cache_BxKxSxDh.shape[2]
     if H % K:
         raise ValueError(f"query heads {H} must be a multiple of kv heads {K}")
     q_BxKxGxDh = q_Bx1xHxDh.reshape(B, K, H // K, Dh)
-    scores_BxKxGxS = jnp.einsum("bkgd,bskd->bkgs", q_BxKxGxDh, k_cache_BxSxKxDh, preferred_element_type=jnp.float32)
+    scores_BxKxGxS = jnp.einsum("bkgd,bksd->bkgs", q_BxKxGxDh, k_cache_BxKxSxDh, preferred_element_type=jnp.float32)
     scores_BxKxGxS = scores_BxKxGxS * (Dh**-0.5)
     valid_BxS = jnp.arange(S, dtype=jnp.int32)[None, :] < lengths_B.astype(jnp.int32)[:, None]
     scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_cache_BxSxKxDh.dtype)
-    out = jnp.einsum("bkgs,bskd->bkgd", probs, v_cache_BxSxKxDh, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_cache_BxKxSxDh.dtype)
+    out = jnp.einsum("bkgs,bksd->bkgd", probs, v_cache_BxKxSxDh, preferred_element_type=jnp.float32)
     return out.reshape(B, 1, H, Dh).astype(q_Bx1xHxDh.dtype)
 
 
