@@ -101,3 +101,24 @@ def padded_lanes(d: int, backend: str, interpret: bool) -> int:
     if backend == "gpu" and not interpret:
         return next_pow2(d)
     return d
+
+
+def pallas_call(kernel, *, out_shape, **kwargs):
+    """`pl.pallas_call` whose outputs vary over the manual mesh axes its operands vary over, so a kernel runs inside a
+    `shard_map` that checks replication (`check_vma=True`) as well as outside one."""
+    from jax.experimental import pallas as pl
+
+    def call(*args):
+        varying = [jax.typeof(a).manual_axis_type for a in jax.tree.leaves(args)
+                   if getattr(jax.typeof(a), "manual_axis_type", None) is not None]
+        widest = max(varying, key=lambda t: len(t.varying), default=None)
+
+        def vary(s):
+            if widest is None or not isinstance(s, jax.ShapeDtypeStruct) or s.manual_axis_type is not None:
+                return s
+            return jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=widest)
+
+        shapes = jax.tree.map(vary, out_shape, is_leaf=lambda s: isinstance(s, jax.ShapeDtypeStruct))
+        return pl.pallas_call(kernel, out_shape=shapes, **kwargs)(*args)
+
+    return call

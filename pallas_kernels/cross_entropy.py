@@ -218,7 +218,7 @@ def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, coef_ref, scale_ref, dw_ref, *, cfg
 
 
 def _call(cfg: _Config, kernel, grid, in_specs, out_specs, out_shape, name):
-    return pl.pallas_call(
+    return _util.pallas_call(
         functools.partial(kernel, cfg=cfg),
         grid=grid,
         in_specs=in_specs,

@@ -221,7 +221,7 @@ def _fwd_call(cfg: _Cfg, h_in, r_in, scale2, bias2):
         out_shape.append(jax.ShapeDtypeStruct((rows_p, dp), jnp.result_type(h_in.dtype, r_in.dtype)))
     kernel = functools.partial(_fwd_kernel, layer=cfg.layer, eps=cfg.eps, d=cfg.d,
                                has_residual=has_residual, has_bias=has_bias)
-    return pl.pallas_call(
+    return _util.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(nb,),
@@ -251,7 +251,7 @@ def _bwd_call(cfg: _Cfg, h, g, gh, scale2, has_bias):
         out_specs.append(part)
     kernel = functools.partial(_bwd_kernel, layer=cfg.layer, eps=cfg.eps, d=cfg.d,
                                has_residual=has_residual, has_bias=has_bias)
-    return pl.pallas_call(
+    return _util.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(nb,),

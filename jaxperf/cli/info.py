@@ -1,4 +1,5 @@
-"""`jaxperf info [--preset NAME] [key=value ...]`: versions, devices, the mesh a run would use, peak FLOP/s."""
+"""`jaxperf info [--preset NAME] [--platform tpu] [key=value ...]`: versions, devices, the mesh a run would use, the
+implementation each hot op would get and why, peak FLOP/s."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import jax
 import optax
 
 from jaxperf.config import MESH_AXES, ConfigError, get_config, mesh_shape
+from jaxperf.models.platform import PLATFORMS, implementation_choices
+from jaxperf.parallel.mesh import normalize_platform
 from jaxperf.perf.hardware import describe, format_info
 from jaxperf.perf.hostmem import host_memory
 
@@ -17,6 +20,8 @@ from jaxperf.perf.hostmem import host_memory
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxperf info", description="Devices, the mesh a run would use, peak FLOP/s.")
     p.add_argument("--preset", default=None, help="tiny (default), gpt2-small, gpt2-medium, llama-1b")
+    p.add_argument("--platform", choices=PLATFORMS, default=None,
+                   help="the platform to report implementations for (default: this machine's devices)")
     p.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. fsdp=4 tensor=2)")
     return p
 
@@ -32,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         shape = mesh_shape(cfg.parallel, len(devices))
         print(f"mesh for preset {args.preset or 'tiny'}: " + " ".join(f"{a}={shape[a]}" for a in MESH_AXES)
               + f", strategy {cfg.parallel.strategy}")
+        platform = args.platform or normalize_platform(devices[0].platform)
+        for choice in implementation_choices(cfg, shape, platform):
+            print(f"{choice.op} on {platform}: {choice.impl} ({choice.why})")
     except ConfigError as e:
         print(f"mesh: {e}")
     print(format_info(describe(devices[0])))

@@ -69,6 +69,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxperf import _compat
 from jaxperf.config import FLAVOURS, ConfigError
 from jaxperf.models.hooks import LayerHooks
+from jaxperf.parallel.mesh import compiling_for, platform_of
 from jaxperf.parallel.rules import logical_to_spec
 from jaxperf.parallel.sharding import replicated
 from jaxperf.step.task import LossFn, Task, TrainState, finish_step
@@ -288,7 +289,8 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
     """
 
     def scaled_loss(model, mb, s):
-        loss, aux = loss_fn(model, mb)
+        with compiling_for(platform_of(task.mesh)):  # no mesh is installed in a per-device body
+            loss, aux = loss_fn(model, mb)
         if weighted:
             loss = loss * jnp.asarray(aux.get("weight", 1.0), jnp.float32)
         return loss * s, aux

@@ -3,8 +3,10 @@
     out_BxLxHxDh = attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, impl="auto")
 
 Implementations: "xla" (plain jnp, the reference, runs everywhere), "cudnn" (`jax.nn.dot_product_attention` on NVIDIA
-GPUs, bf16/fp16), and whatever else is registered with `register_attention` (the Pallas kernels plug in there). An
-explicit impl that cannot run raises with the reason; "auto" picks the best available and warns once when it falls back.
+GPUs, bf16/fp16), "pallas" (jaxperf's flash attention kernel) and whatever else is registered with
+`register_attention`. "auto" follows the platform table of jaxperf.models.platform for the platform the step is
+compiled for (`target_platform`): Pallas flash attention on TPU, cuDNN on GPU, XLA on CPU, XLA with the reason where
+the shapes rule the first choice out (warned once on accelerators). An explicit impl that cannot run raises.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxperf.models.kernels import pallas_attention, pallas_attention_unavailable
+from jaxperf.models.platform import attention_choice
+from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.ring_attention import ring_attention_ambient, ring_unavailable
 from pallas_kernels.flash_attention import as_segment_ids
 
@@ -26,22 +30,21 @@ AttentionFn = Callable[..., jax.Array]
 @dataclass(frozen=True)
 class _Impl:
     fn: AttentionFn
-    # (q, k, v) -> None when the impl can run on the default backend, else the reason it cannot.
+    # (q, k, v) -> None when the impl can run on the target platform, else the reason it cannot.
     unavailable: Callable[[jax.Array, jax.Array, jax.Array], str | None]
-    priority: int  # "auto" tries higher first
 
 
 _REGISTRY: dict[str, _Impl] = {}
 _WARNED: set[str] = set()
 
 
-def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v: None, priority: int = 0) -> None:
-    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name`.
+def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v: None) -> None:
+    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name` (model.attention_impl=name).
 
-    `unavailable(q, k, v)` returns None when it can run or the reason it cannot; "auto" tries implementations with
-    priority >= 0, highest first.
+    `unavailable(q, k, v)` returns None when it can run or the reason it cannot (`target_platform()` names the
+    platform being compiled for). "auto" never picks a registered implementation: name it.
     """
-    _REGISTRY[name] = _Impl(fn, unavailable, priority)
+    _REGISTRY[name] = _Impl(fn, unavailable)
 
 
 def available_attention_impls() -> list[str]:
@@ -85,8 +88,8 @@ def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
 
 
 def _cudnn_unavailable(q, k, v) -> str | None:
-    if jax.default_backend() != "gpu":
-        return f"cuDNN attention needs an NVIDIA GPU, the backend is {jax.default_backend()!r}"
+    if target_platform() != "gpu":
+        return f"cuDNN attention needs an NVIDIA GPU, the step is compiled for {target_platform()!r}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN attention needs bfloat16 or float16 inputs, got {q.dtype}"
     if q.shape[1] != k.shape[1]:
@@ -94,10 +97,9 @@ def _cudnn_unavailable(q, k, v) -> str | None:
     return None
 
 
-register_attention("xla", xla_attention, priority=0)
-register_attention("cudnn", _cudnn_attention, _cudnn_unavailable, priority=10)
-# Explicit only ("auto" skips it, priority < 0) until a device benchmark shows it faster than the alternatives.
-register_attention("pallas", pallas_attention, pallas_attention_unavailable, priority=-1)
+register_attention("xla", xla_attention)
+register_attention("cudnn", _cudnn_attention, _cudnn_unavailable)
+register_attention("pallas", pallas_attention, pallas_attention_unavailable)
 
 
 def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto"):
@@ -105,17 +107,13 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     if impl == "auto":
-        reasons = []
-        candidates = [kv for kv in _REGISTRY.items() if kv[1].priority >= 0]  # negative priority: explicit only
-        for name, entry in sorted(candidates, key=lambda kv: -kv[1].priority):
-            why = entry.unavailable(q, k, v)
-            if why is None and not (segment_ids is not None and name == "cudnn"):
-                if reasons and name == "xla" and jax.default_backend() == "gpu" and "auto" not in _WARNED:
-                    _WARNED.add("auto")
-                    warnings.warn(f"attention impl 'auto' fell back to 'xla': {'; '.join(reasons)}", stacklevel=2)
-                return entry.fn(q, k, v, causal=causal, segment_ids=segment_ids)
-            reasons.append(f"{name}: {why or 'segment ids'}")
-        raise RuntimeError(f"no attention implementation can run: {'; '.join(reasons)}")
+        platform = target_platform()
+        choice = attention_choice(platform, dtype=q.dtype, head_dim=q.shape[3], heads=q.shape[2], kv_heads=k.shape[2],
+                                  q_len=q.shape[1], kv_len=k.shape[1], segment_ids=segment_ids is not None)
+        if choice.impl == "xla" and platform != "cpu" and platform not in _WARNED:
+            _WARNED.add(platform)
+            warnings.warn(f"attention impl 'auto' on {platform} fell back to 'xla': {choice.why}", stacklevel=2)
+        impl = choice.impl
     if impl not in _REGISTRY:
         raise ValueError(f"unknown attention impl {impl!r}; registered: {', '.join(available_attention_impls())}")
     why = _REGISTRY[impl].unavailable(q, k, v)
@@ -124,5 +122,5 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
     return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids)
 
 
-# Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention); explicit only.
-register_attention("ring", ring_attention_ambient, ring_unavailable, priority=-1)
+# Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention).
+register_attention("ring", ring_attention_ambient, ring_unavailable)

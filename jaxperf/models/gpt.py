@@ -19,7 +19,9 @@ from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param, dense, embed_lookup
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
-from jaxperf.parallel.rules import constrain
+from jaxperf.models.platform import loss_choice
+from jaxperf.parallel.mesh import target_platform
+from jaxperf.parallel.rules import activation_spec, constrain, current
 
 # Logical axes of one layer's KV cache [B, K, S, Dh]: rows follow the batch (data axes), KV heads the tensor axis.
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
@@ -181,15 +183,17 @@ class GPT(nnx.Module):
         """Masked next-token cross-entropy (fp32): (mean over unmasked tokens, {"weight": unmasked tokens}).
 
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
-        [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; otherwise ("auto", "xla")
-        the logits are materialised in fp32. The batch may carry `positions` and `segment_ids` [B, L] (packed
+        [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; "xla" materialises the
+        logits in fp32; "auto" picks chunked or xla by platform and logits size (jaxperf.models.platform). The batch may carry `positions` and `segment_ids` [B, L] (packed
         documents; a token order other than 0..L-1).
         """
         inputs, targets = batch["inputs"], batch["targets"]
         positions, segments = batch.get("positions"), batch.get("segment_ids")
         mask = batch.get("mask")
         mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-        if self.cfg.loss_impl == "chunked":
+        if self.cfg.loss_impl == "auto":
+            impl = self._auto_loss(targets.shape)
+        elif self.cfg.loss_impl == "chunked":
             impl = "chunked"
         else:
             impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: None)
@@ -201,6 +205,20 @@ class GPT(nnx.Module):
             h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
             mask.reshape(B * L), impl=impl)
         return total / jnp.maximum(count, 1.0), {"weight": count}
+
+    def _auto_loss(self, targets_shape) -> str:
+        """The loss impl "auto" runs here (jaxperf.models.platform.loss_choice): the rows one device holds follow from
+        the batch's sharding under the ambient mesh (a per-device body sees its own rows already)."""
+        spec = activation_spec(("batch", "seq", "vocab"), (*targets_shape, self.cfg.padded_vocab))
+        active = current()
+        splits = [1, 1, 1]
+        if spec is not None and active is not None:
+            for i, axes in enumerate(tuple(spec) + (None,) * (3 - len(spec))):
+                for a in (axes,) if isinstance(axes, str) else (axes or ()):
+                    splits[i] *= active[0].shape[a]
+        rows = targets_shape[0] * targets_shape[1] // (splits[0] * splits[1])
+        return loss_choice(target_platform(), rows_per_device=rows, vocab=self.cfg.padded_vocab,
+                           vocab_split=splits[2] > 1, seq_split=splits[1] > 1).impl
 
 
 def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):

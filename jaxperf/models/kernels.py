@@ -4,8 +4,9 @@ A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (insid
 runs in a `shard_map` over the axes its operands are sharded on: the batch over the data-parallel axes, heads over
 `tensor`. Without a mesh the kernel is called directly.
 
-"auto" is the XLA path everywhere for now: on CPU the kernels only run under the interpreter, and on GPU/TPU they take
-over from XLA once a benchmark on that device shows them faster (benchmarks/bench_kernels.py).
+Every kernel is built for the platform the step is compiled for (`target_platform`: the mesh's devices), so a TPU
+topology compiled on a CPU host gets Mosaic kernels, not the CPU interpreter. What "auto" picks per platform is
+jaxperf.models.platform's table.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pallas_kernels import cross_entropy as ce
 from pallas_kernels import norms
 from pallas_kernels.flash_attention import SegmentIds, as_segment_ids, flash_attention
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
+from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.rules import activation_spec, current
 
 IMPLS = ("auto", "xla", "pallas")
@@ -64,20 +66,22 @@ def sharded(fn, in_specs, out_specs):
 def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     q_spec = activation_spec(("batch", "seq", "heads", "head_dim"), q.shape)
     kv_spec = activation_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape)
+    backend = target_platform()
     if q_spec is None:
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, backend=backend)
     q_spec, kv_spec = _pad_spec(q_spec, 4), _pad_spec(kv_spec, 4)
     seg_spec = P(q_spec[0], None)
     segs = as_segment_ids(segment_ids)
     if segs is None:
-        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)  # noqa: E731
         return sharded(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
-    fn = lambda q, k, v, qs, ks: flash_attention(q, k, v, causal=causal, segment_ids=SegmentIds(qs, ks))  # noqa: E731
+    fn = lambda q, k, v, qs, ks: flash_attention(q, k, v, causal=causal, segment_ids=SegmentIds(qs, ks),  # noqa: E731
+                                                 backend=backend)
     return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec)(q, k, v, *segs)
 
 
 def pallas_attention_unavailable(q, k, v):
-    return flash_unavailable_reason(q, k, v)
+    return flash_unavailable_reason(q, k, v, backend=target_platform())
 
 
 def _pad_spec(spec: P, ndim: int) -> P:
@@ -91,10 +95,11 @@ def _pad_spec(spec: P, ndim: int) -> P:
 def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
     """The Pallas LayerNorm / RMSNorm over the last dim (the XLA path lives in jaxperf.models.layers.Norm); with
     `residual`, normalises x + residual and returns (normed, sum)."""
+    backend = target_platform()
     if kind == "layernorm":
-        call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r)  # noqa: E731
+        call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r, backend=backend)  # noqa: E731
     else:
-        call = lambda x, s, b, r: norms.rms_norm(x, s, eps=eps, residual=r)  # noqa: E731
+        call = lambda x, s, b, r: norms.rms_norm(x, s, eps=eps, residual=r, backend=backend)  # noqa: E731
     x_spec = activation_spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
     if x_spec is None:
         return call(x, scale, bias, residual)
@@ -124,21 +129,22 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
     time, in forward and backward). Under a mesh both run per batch shard, and the sums are psum-ed over the
     data-parallel axes.
     """
+    backend = target_platform()
     if impl == "chunked":
         which = "xla"
     else:
-        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV))
+        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV, backend=backend))
         if which == "xla":
             which = "reference"
     mask_N = mask_N.astype(jnp.float32)
     row = activation_spec(("batch",), (h_NxD.shape[0],))
     if row is None:
-        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which)
+        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which, backend=backend)
     rows = _pad_spec(row, 1)
     axes = _flat_axes(rows[0])
 
     def per_shard(h, w, t, m):
-        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which)
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total, count

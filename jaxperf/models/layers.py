@@ -21,6 +21,7 @@ from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.quant import Int8Weight
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
+from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.ring_attention import ring_attention_ambient
 from jaxperf.parallel.rules import constrain, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
@@ -150,7 +151,7 @@ class Norm(nnx.Module):
 
 
 def _norm_unavailable(x) -> str | None:
-    return norm_unavailable_reason(x)
+    return norm_unavailable_reason(x, backend=target_platform())
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:

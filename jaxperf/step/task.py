@@ -33,6 +33,7 @@ from jaxperf.models.gpt import GPT, cross_entropy_from_logits
 from jaxperf.models.pipelined import gpt_loss
 from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import for_platform
+from jaxperf.parallel.mesh import platform_of
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
 from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
@@ -340,13 +341,6 @@ def step_microbatches(cfg: TrainConfig) -> int:
     """Microbatches the step accumulates itself: cfg.microbatches, except under a pipeline (stage > 1), where they are
     the pipeline's and the step sees one batch."""
     return 1 if cfg.parallel.stage > 1 else cfg.microbatches
-
-
-def platform_of(mesh: Mesh) -> str:
-    """The platform the mesh's devices belong to ("cpu", "gpu", "tpu"); a TPU topology described on a CPU host is
-    "tpu"."""
-    platform = mesh.devices.flat[0].platform.lower()
-    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def _check_cpu_collective_order(cfg: TrainConfig, mesh: Mesh) -> None:

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
-from jaxperf.parallel.mesh import make_mesh
+from jaxperf.models.platform import implementation_choices
+from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.memory import estimate
@@ -95,6 +96,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     flops = flops_per_token(cfg.model, L, hardware=True) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
     est = estimate(cfg, shape)
+    choices = implementation_choices(cfg, shape, platform_of(mesh))
     report = {
         "topology": topology, "slices": slices, "chips": len(devices), "device_kind": devices[0].device_kind,
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
@@ -102,6 +104,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
         "slices_per_data_index": [sorted({int(getattr(d, "slice_index", 0)) for d in row.flat})
                                   for row in mesh.devices], "strategy": cfg.parallel.strategy,
         "batch": B, "seq_len": L, "compile_s": compile_s,
+        "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
                            "total": total},
         "hbm_bytes": chip.hbm_bytes if chip else None,
@@ -122,6 +125,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
+        "implementations: " + "; ".join(f"{op}={c['impl']} ({c['why']})" for op, c in r["implementations"].items()),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
         f" -> {b['total'] / GiB:.2f} GiB",

@@ -31,7 +31,8 @@ from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, valida
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
 from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
-from jaxperf.parallel.mesh import make_mesh
+from jaxperf.models.platform import implementation_choices
+from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.parallel.pipeline import describe as pipeline_describe
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.compile import enable_compilation_cache
@@ -270,6 +271,9 @@ class Trainer:
         n_params = sum(x.size for x in jax.tree.leaves(state.params))
         log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, flavour {self.cfg.parallel.flavour}, "
             f"{format_report(report, self.mesh)}")
+        if not self.custom_model:
+            choices = implementation_choices(self.cfg, dict(self.mesh.shape), platform_of(self.mesh))
+            log("implementations: " + "; ".join(c.describe() for c in choices))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))

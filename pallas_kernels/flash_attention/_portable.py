@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _util
+
 from . import _common as c
 
 
@@ -117,7 +119,7 @@ def fwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg):
             pl.BlockSpec((None, 1, S_pad), lambda b, h, i: (b, 0, 0)),
         ]
         args += [q_seg, kv_seg]
-    out, lse = pl.pallas_call(
+    out, lse = _util.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg),
         grid=(B, H, L_pad // bq),
         in_specs=in_specs,
@@ -150,7 +152,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         pl.BlockSpec((None, bq, 1), lambda b, h, i: (b, i, 0)),
         pl.BlockSpec((None, 1, S_pad), lambda b, h, i: (b, 0, 0)),
     ]
-    dq = pl.pallas_call(
+    dq = _util.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         grid=(B, H, L_pad // bq),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + (seg_specs if cfg.has_segments else []),
@@ -170,7 +172,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         pl.BlockSpec((None, L_pad, 1), lambda b, kh, j: (b, 0, 0)),
         pl.BlockSpec((None, 1, bk), lambda b, kh, j: (b, 0, j)),
     ]
-    dk, dv = pl.pallas_call(
+    dk, dv = _util.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, group=G),
         grid=(B, K, S_pad // bk),
         in_specs=[qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec]

@@ -28,6 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import _util
+
 from . import _common as c
 
 _F32 = jnp.float32
@@ -117,7 +119,7 @@ def _dkv_kernel(*refs, cfg: c.Config):
 
 
 def _call(cfg: c.Config, kernel, grid, in_specs, out_specs, out_shape, scratch_shapes, semantics, name):
-    return pl.pallas_call(
+    return _util.pallas_call(
         functools.partial(kernel, cfg=cfg),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=0,

@@ -1,0 +1,127 @@
+"""Implementations by the platform a step is compiled for: the table of jaxperf.models.platform, what "auto" traces
+under it, the reports that name each choice, and a train step compiled for a TPU slice on this CPU machine that gets
+the Mosaic flash-attention kernel and the chunked loss by default."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxperf.config import ModelConfig, get_config
+from jaxperf.models import GPT, attention
+from jaxperf.models import platform as plat
+from jaxperf.parallel.mesh import compiling_for, target_platform
+
+from _accelerators import tpu_devices
+
+
+def _attn(platform, **kw):
+    shapes = dict(dtype=jnp.bfloat16, head_dim=64, heads=8, kv_heads=2, q_len=1024, kv_len=1024, segment_ids=False)
+    return plat.attention_choice(platform, **{**shapes, **kw})
+
+
+def test_attention_table_picks_by_platform_and_says_why_it_falls_back():
+    assert _attn("tpu").impl == "pallas"
+    assert _attn("gpu").impl == "cudnn"
+    assert _attn("cpu").impl == "xla"
+    odd = _attn("tpu", head_dim=80)
+    assert odd.impl == "xla" and "head dim 80" in odd.why
+    assert _attn("gpu", dtype=jnp.float32).impl == "xla" and "float32" in _attn("gpu", dtype=jnp.float32).why
+    assert _attn("gpu", segment_ids=True).impl == "xla"
+    assert _attn("gpu", q_len=1, kv_len=64).impl == "xla"
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        _attn("metal")
+
+
+def test_loss_table_chunks_large_logits_on_accelerators_only():
+    big = plat.CHUNKED_LOSS_BYTES // (4 * 50304) + 1  # rows whose fp32 logits just pass the threshold
+    for platform in ("tpu", "gpu"):
+        assert plat.loss_choice(platform, rows_per_device=big, vocab=50304).impl == "chunked"
+        assert plat.loss_choice(platform, rows_per_device=big - 1, vocab=50304).impl == "xla"
+        assert plat.loss_choice(platform, rows_per_device=big, vocab=50304, vocab_split=True).impl == "xla"
+        assert plat.loss_choice(platform, rows_per_device=big, vocab=50304, seq_split=True).impl == "xla"
+    assert plat.loss_choice("cpu", rows_per_device=100 * big, vocab=50304).impl == "xla"
+
+
+def test_implementation_choices_follow_the_mesh_and_explicit_settings():
+    cfg = get_config("gpt2-small")
+    mesh = {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}
+    by_op = {c.op: c for c in plat.implementation_choices(cfg, mesh, "tpu")}
+    assert (by_op["attention"].impl, by_op["loss"].impl, by_op["norm"].impl) == ("pallas", "chunked", "xla")
+    assert "MiB of fp32 logits" in by_op["loss"].why
+    ring = {c.op: c.impl for c in plat.implementation_choices(cfg, {**mesh, "seq": 2}, "tpu")}
+    assert ring["attention"] == "ring" and ring["loss"] == "xla"
+    piped = {c.op: c.impl for c in plat.implementation_choices(cfg, {**mesh, "stage": 2}, "tpu")}
+    assert piped["loss"] == "xla"
+    tp = {c.op: c.impl for c in plat.implementation_choices(cfg, {**mesh, "tensor": 2}, "tpu")}
+    assert tp["loss"] == "xla"
+    forced = get_config("gpt2-small", ["model.attention_impl=xla", "model.loss_impl=xla"])
+    chosen = {c.op: c for c in plat.implementation_choices(forced, mesh, "tpu")}
+    assert chosen["attention"].impl == "xla" and chosen["attention"].why == "model.attention_impl"
+    assert {c.op: c.impl for c in plat.implementation_choices(cfg, mesh, "cpu")} == {
+        "attention": "xla", "loss": "xla", "norm": "xla"}
+
+
+def _traced_text(fn, *args) -> str:
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_auto_attention_traces_the_kernel_for_the_target_platform_not_the_host():
+    q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    assert target_platform() == "cpu"
+    on_cpu = _traced_text(lambda q, k, v: attention(q, k, v, causal=True), q, kv, kv)
+    with compiling_for("tpu"):  # a fresh function: a trace is cached by function and shapes, not by platform
+        assert target_platform() == "tpu"
+        on_tpu = _traced_text(lambda q, k, v: attention(q, k, v, causal=True), q, kv, kv)
+    assert "pallas_call" not in on_cpu
+    assert "pallas_call" in on_tpu
+    # Built for TPU, not for the CPU interpreter: the kernel's tiles live in VMEM.
+    assert "Ref<vmem>" in on_tpu
+    with compiling_for("tpu"), pytest.raises(RuntimeError, match="cuDNN attention needs an NVIDIA GPU.*'tpu'"):
+        attention(q, kv, kv, impl="cudnn")
+
+
+def test_auto_loss_chunks_the_logits_on_an_accelerator():
+    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=2, vocab_size=4096, max_seq_len=256).resolved()
+    model = GPT(cfg, rngs=__import__("flax").nnx.Rngs(0))
+    batch = {"inputs": jnp.zeros((8, 256), jnp.int32), "targets": jnp.zeros((8, 256), jnp.int32)}
+    full = "f32[8,256,4096]"  # the materialised fp32 logits
+    assert full in _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+    with compiling_for("tpu"):  # 8 x 256 rows x 4096 x 4 bytes = 32 MiB: under the threshold, full logits
+        assert full in _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+    small = plat.CHUNKED_LOSS_BYTES
+    try:
+        plat.CHUNKED_LOSS_BYTES = 16 * 2**20
+        with compiling_for("tpu"):
+            chunked = _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+    finally:
+        plat.CHUNKED_LOSS_BYTES = small
+    assert full not in chunked and "f32[2048,4096]" not in chunked
+
+
+TINY_TPU = ["model.d_model=128", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=256", "batch_size=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["jit", "shard_map"])
+def test_default_train_step_compiled_for_tpu_runs_the_mosaic_kernel(flavour):
+    from jaxperf.config import mesh_shape
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.step.task import build_task
+    from jaxperf.explicit.flavours import build_train_step
+
+    devices = tpu_devices("v5p:2x2x1")
+    cfg = get_config("tiny", TINY_TPU + ["fsdp=4", f"parallel.flavour={flavour}"])
+    assert mesh_shape(cfg.parallel, len(devices))["fsdp"] == 4
+    mesh = make_mesh(cfg.parallel, list(devices))
+    task = build_task(cfg, mesh)
+    step = build_train_step(task, task.loss_fn, flavour)
+    B, L = cfg.batch_size, cfg.train_seq_len
+    tok = task.batch_sharding(2)
+    batch = {k: jax.ShapeDtypeStruct((B, L), jnp.float32 if k == "mask" else jnp.int32, sharding=tok)
+             for k in ("inputs", "targets", "mask")}
+    text = step.fn.lower(task.abstract_state(), batch).compile().as_text()
+    # The flash kernel forward and its backward are Mosaic custom calls; the XLA path has none.
+    assert text.count("tpu_custom_call") >= 2, flavour
