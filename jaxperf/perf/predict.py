@@ -14,7 +14,7 @@
 `step_s` is the roofline bound max(compute, HBM, collective): every unit busy all the time, collectives fully hidden
 behind compute (XLA's TPU scheduler runs them asynchronously, and FSDP's weight gathers for layer i+1 overlap layer
 i's matmuls). No real step is faster, so the MFU it implies (model FLOPs / (step_s x peak)) is a ceiling; the model
-FLOPs leave out the remat recomputation, so with `remat=full` the ceiling is ~6/8 even when compute-bound.
+FLOPs leave out the remat recomputation, so even a compute-bound step's ceiling is model / hardware FLOPs.
 `step_s_no_overlap` = max(compute, HBM) + collective is the other end: nothing hidden. A measured step lands between
 the two; the gap says how much depends on overlap. Both leave out latency (per-collective start-up, small ops, the
 host), so small programs are slower than either.
