@@ -38,6 +38,7 @@ BENCHMARKS: dict[str, str] = {
     "parallel": "bench_parallel.py",
     "generate": "bench_generate.py",
     "serve": "bench_serve.py",
+    "tpu_compile": "bench_tpu_compile.py",
 }
 
 

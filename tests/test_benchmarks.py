@@ -188,6 +188,26 @@ def test_serve_tiny_measures_every_scenario_on_loopback():
                                                                  / by_name["decode_b1"]["value"])
 
 
+@pytest.mark.slow
+def test_tpu_compile_tiny_reports_jaxperf_and_says_why_maxtext_is_missing():
+    recs = load("tpu_compile").main(["--tiny"])
+    names = {"jaxperf/default", "jaxperf/pallas+chunked", "maxtext"}
+    check_records(recs, "tpu_compile", names)
+    assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
+    by_name = {r["name"]: r for r in recs}
+    if importlib.util.find_spec("maxtext") is None:
+        assert "maxtext package is not importable" in by_name["maxtext"]["skipped"]
+    for name in ("jaxperf/default", "jaxperf/pallas+chunked"):
+        r = by_name[name]
+        if r.get("skipped"):
+            assert "libtpu" in r["skipped"]
+            continue
+        assert r["value"] == pytest.approx(r["bytes_per_chip"]["total"] / 1e9)
+        assert r["predicted_step_s"] == max(r["compute_s"], r["hbm_s"], r["collective_s"]) > 0
+        assert 0 < r["predicted_mfu"] < 1 and r["collectives"]["all-gather"]["ops"] > 0  # fsdp gathers weights
+    assert not by_name["jaxperf/default"].get("unknown_trip_counts")  # the scanned layers and their inner loops
+
+
 def test_runner_passes_its_out_folder_to_scripts_that_take_one(tmp_path, monkeypatch):
     seen = {}
     modules = {name: load(name) for name in ("collectives", "async_dispatch")}

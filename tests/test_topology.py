@@ -42,6 +42,11 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     b = r["bytes_per_chip"]
     assert 0 < b["arguments"] and 0 < b["temp"] and b["total"] < r["hbm_bytes"]
     assert r["flops_per_chip"] > 0
+    p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
+    assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
+    assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9
+    assert p["collectives"]["all-gather"]["ops"] > 0 and not p["unknown_trip_counts"]  # fsdp gathers the weights
+    assert p["hbm_bytes"] > b["arguments"]  # every weight and optimizer state is read at least once
     # The same run with the batch and the weights replicated (dp on one chip's worth of work per chip is the same
     # batch slice, but the parameters and Adam state are no longer split four ways): more argument bytes per chip.
     dp = _compile(["--topology", "v5p:2x2x1", "--json", *common, "strategy=dp", "data=4", "fsdp=1"], libtpu=True)

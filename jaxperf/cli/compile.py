@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=1, help="slices of a multi-slice job (data parallel across them)")
     p.add_argument("--preset", default=None)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--hlo-out", default=None, help="also write the compiled program's optimized HLO text here")
     p.add_argument("overrides", nargs="*")
     return p
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = get_config(args.preset, args.overrides)
-        report = compile_for_topology(cfg, args.topology, args.slices)
+        report = compile_for_topology(cfg, args.topology, args.slices, hlo_out=args.hlo_out)
     except (ConfigError, TopologyError) as e:
         print(f"jaxperf compile: {e}", file=sys.stderr)
         return 2

@@ -56,7 +56,11 @@ CHIPS: tuple[tuple[tuple[str, ...], Chip], ...] = (
     (("A100",), Chip("A100 80GB", 312 * T, 19.5 * T, None, 80 * GiB, 2.039e12, 300 * G, 624 * T)),
     # L4: 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 (32 GB/s each way). Data sheet figures with sparsity are twice these.
     (("L4",), Chip("L4", 121 * T, 30.3 * T, 242 * T, 24 * GiB, 0.3e12, 32 * G, 242 * T)),
-    # TPUs: int8 but no fp8 matrix units up to v6e. ICI per chip: v4 2400 Gbps, v5e 1600, v5p 4800, v6e 3584.
+    # TPUs: int8 but no fp8 matrix units up to v6e. ICI per chip (`interconnect_bw`: all links of a chip, one
+    # direction; jaxperf.perf.predict divides collective bytes by it), from Google Cloud's TPU pages
+    # (cloud.google.com/tpu/docs/<version>): v4 2400 Gbps (6 links), v5e 1600 Gbps (4 ports), v5p 4800 Gbps (6
+    # links; the same page now also gives "bidirectional ICI bandwidth per chip 1200 GBps", i.e. 600 GB/s each way,
+    # which is how the Gbps figures are read here), v6e 3584 Gbps (4 ports). Bytes/s = Gbps / 8.
     (("TPU v4",), Chip("TPU v4", 275 * T, 275 * T, None, 32 * GiB, 1.2e12, 300 * G, 275 * T)),
     (("TPU v5 lite",), Chip("TPU v5e", 197 * T, 197 * T, None, 16 * GiB, 0.819e12, 200 * G, 394 * T)),
     (("TPU v5e",), Chip("TPU v5e", 197 * T, 197 * T, None, 16 * GiB, 0.819e12, 200 * G, 394 * T)),

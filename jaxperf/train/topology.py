@@ -9,7 +9,8 @@ devices of a slice that is not attached; the train step is lowered against abstr
 devices and compiled by the TPU compiler. The figures are those of the real program: bytes per chip for arguments
 (parameters, optimizer state, batch), outputs, temporaries and code. FLOPs per chip per step come from jaxperf's
 model count (jaxperf.perf.flops, remat recomputation included), since XLA's cost analysis counts the body of a scanned
-layer stack once; both are reported. Nothing is allocated
+layer stack once; both are reported. The step time is predicted from the compiled program (jaxperf.perf.predict):
+compute, HBM traffic and ICI traffic each at the chip's peak, loops counted by their trip counts. Nothing is allocated
 and nothing runs; a 4x4x4 slice compiles in seconds to minutes on a laptop-class CPU.
 """
 
@@ -30,6 +31,7 @@ from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.memory import estimate
+from jaxperf.perf.predict import format_prediction, predict_step
 from jaxperf.step.task import build_task, step_microbatches
 
 GiB = 2**30
@@ -55,8 +57,9 @@ def topology_devices(topology: str, slices: int = 1) -> list:
     return list(desc.devices)
 
 
-def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
+def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | None = None) -> dict[str, Any]:
     """Compile cfg's train step for every chip of `topology` (times `slices`); returns a report (`format_report`).
+    `hlo_out`: a path to write the compiled program's optimized HLO text to (for jaxperf.perf.hlo_cost or a reader).
 
     With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`).
     """
@@ -94,9 +97,16 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     # XLA's cost analysis counts the body of a loop once, so a scanned layer stack is under-counted n_layers times;
     # the step time at peak uses jaxperf's count (jaxperf.perf.flops, with the remat recomputation) instead.
     flops = flops_per_token(cfg.model, L, hardware=True) * B * L / len(devices)
+    model_flops = flops_per_token(cfg.model, L) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
     est = estimate(cfg, shape)
     choices = implementation_choices(cfg, shape, platform_of(mesh))
+    hlo = compiled.as_text()
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(hlo)
+    prediction = predict_step(hlo, model_flops=model_flops, hardware_flops=flops, chip=chip,
+                              dtype=cfg.model.dtype)
     report = {
         "topology": topology, "slices": slices, "chips": len(devices), "device_kind": devices[0].device_kind,
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
@@ -114,6 +124,10 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
         "xla_cost_analysis_flops_per_chip": xla_flops,
         "step_s_at_peak": flops / peak if peak and flops else None,
         "tokens_per_s_at_peak": B * L / (flops / peak) if peak and flops else None,
+        "model_flops_per_chip": model_flops,
+        "prediction": prediction,
+        "predicted_step_s": prediction.get("step_s"),
+        "predicted_mfu": prediction.get("mfu"),
     }
     return report
 
@@ -141,4 +155,6 @@ def format_report(r: dict[str, Any]) -> str:
     if r["step_s_at_peak"]:
         lines.append(f"at peak FLOP/s a step takes >= {1e3 * r['step_s_at_peak']:.3g} ms, "
                      f"<= {r['tokens_per_s_at_peak']:,.0f} tokens/s for the slice")
+    if r.get("prediction"):
+        lines += format_prediction(r["prediction"])
     return "\n".join(lines)

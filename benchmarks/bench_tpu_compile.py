@@ -1,0 +1,254 @@
+"""How much memory and how much time per step does a TPU slice need for the same model, compiled by jaxperf and by
+MaxText? Bytes per chip, compile time and predicted step time side by side, from the real TPU compiler on this host.
+
+    python benchmarks/bench_tpu_compile.py                   # Llama-3.1-8B shapes, v5p-32, batch 32 x 8192, remat full
+    python benchmarks/bench_tpu_compile.py --tiny            # a 2-layer model on 4 chips (minutes on CPU)
+    python benchmarks/bench_tpu_compile.py --maxtext-python /path/to/venv/bin/python
+
+Each compile runs in a subprocess of its own (`JAX_PLATFORMS=cpu`; libtpu from the environment or from
+`JAXPERF_LIBTPU_PATH`), one after the other. jaxperf is compiled twice: with its default settings and with Pallas
+flash attention plus the chunked loss. MaxText (`maxtext.trainers.pre_train.train_compile`, which installs with Python
+3.12) compiles the same model, topology, batch and remat policy when its package is importable by `--maxtext-python`
+(default: this interpreter); otherwise its record says why it was skipped. Both sides' step times come from
+jaxperf.perf.predict applied to each compiled program, with the same FLOP count (jaxperf.perf.flops for the shared
+shapes), so the comparison is of the programs, not of two FLOP formulas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from jaxperf.benchmarks._common import emit, record
+
+LIBTPU_PATH = os.environ.get("JAXPERF_LIBTPU_PATH", "/tmp/libtpu_pkg")
+REPO = Path(__file__).resolve().parents[1]
+
+# Llama-3.1-8B: 32 layers, d_model 4096, 32 query / 8 KV heads, SwiGLU 14336, vocab 128256, untied embeddings.
+LLAMA31_8B = {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "mlp_dim": 14336,
+              "vocab_size": 128256, "rope_theta": 500000.0}
+TINY = {"d_model": 512, "n_layers": 2, "n_heads": 8, "n_kv_heads": 2, "mlp_dim": 1536, "vocab_size": 32000,
+        "rope_theta": 500000.0}
+# jaxperf topology name -> MaxText's compile_topology (MaxText's v5p names count TensorCores, two per chip)
+MAXTEXT_TOPOLOGY = {"v5p:2x2x1": "v5p-8", "v5p:2x2x2": "v5p-16", "v5p:2x2x4": "v5p-32", "v5p:2x4x4": "v5p-64",
+                    "v5p:4x4x4": "v5p-128"}
+
+
+def _env(extra_path: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    paths = [str(REPO), env.get("PYTHONPATH")]
+    if extra_path:
+        paths.insert(1, extra_path)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    return env
+
+
+def jaxperf_overrides(shapes: dict, batch: int, seq: int, remat: str) -> list[str]:
+    """The jaxperf overrides for a Llama-style model of `shapes` (bf16 compute, fp32 parameters, untied)."""
+    model = [f"model.{k}={v}" for k, v in shapes.items()]
+    return ["model.style=llama", *model, "model.tie_embeddings=false", "model.dtype=bfloat16",
+            f"model.max_seq_len={seq}", f"seq_len={seq}", f"batch_size={batch}", f"model.remat={remat}",
+            "strategy=fsdp"]
+
+
+def run_jaxperf(topology: str, overrides: list[str], timeout: float, hlo_out: str | None = None) -> dict:
+    env = _env(LIBTPU_PATH if importlib.util.find_spec("libtpu") is None else None)
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, "-m", "jaxperf.cli", "compile", "--topology", topology, "--json", *overrides]
+    if hlo_out:
+        cmd += ["--hlo-out", hlo_out]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode not in (0, 1) or not out.stdout.strip():
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"jaxperf compile failed (exit {out.returncode}): {tail}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# Runs under the MaxText interpreter: compile through train_compile.main with its compile step wrapped, so the
+# compiled object can be read afterwards; print one JSON line.
+_MAXTEXT_DRIVER = textwrap.dedent("""
+    import json, sys, time
+    from maxtext.trainers.pre_train import train_compile as tc
+    from jaxperf.perf.hardware import chip_for
+    from jaxperf.perf.predict import predict_step
+    argv, model_flops, hardware_flops = json.loads(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+    hlo_out = sys.argv[4] if len(sys.argv) > 4 else ""
+    seen = {}
+    inner = tc.jit_and_compile
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        seen["compiled"] = inner(*a, **k)
+        seen["compile_s"] = time.perf_counter() - t0
+        return seen["compiled"]
+    tc.jit_and_compile = timed
+    tc.main(argv)
+    c = seen["compiled"]
+    m = c.memory_analysis()
+    b = {k: int(getattr(m, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "alias", "temp",
+                                                                "generated_code")}
+    total = b["argument"] + b["output"] - b["alias"] + b["temp"] + b["generated_code"]
+    dev = c.input_shardings[0]
+    chip = None
+    try:
+        import jax.tree_util as tu
+        first = tu.tree_leaves(dev)[0]
+        chip = chip_for(next(iter(first.device_set)))
+    except Exception:
+        pass
+    if hlo_out:
+        with open(hlo_out, "w") as f:
+            f.write(c.as_text())
+    pred = predict_step(c.as_text(), model_flops=model_flops, hardware_flops=hardware_flops, chip=chip)
+    print("MAXTEXT_JSON " + json.dumps({"bytes_per_chip": {**b, "total": total}, "compile_s": seen["compile_s"],
+                                        "prediction": pred}))
+""")
+
+
+def maxtext_python(arg: str | None) -> tuple[str | None, str]:
+    """(interpreter with the maxtext package, or None, and why)."""
+    if arg:
+        return arg, "--maxtext-python"
+    if importlib.util.find_spec("maxtext") is not None:
+        return sys.executable, "this interpreter"
+    return None, ("the maxtext package is not importable here (it installs with Python 3.12: pip install "
+                  "'maxtext[tpu]'); pass --maxtext-python to use another interpreter")
+
+
+def run_maxtext(python: str, topology: str, shapes: dict, per_device_batch: int, seq: int, remat: str,
+                model_flops: float, hardware_flops: float, timeout: float, model_name: str | None,
+                hlo_out: str | None = None) -> dict:
+    if topology not in MAXTEXT_TOPOLOGY:
+        raise ValueError(f"no MaxText name for topology {topology!r}; known: {', '.join(MAXTEXT_TOPOLOGY)}")
+    argv = ["train_compile", str(_maxtext_base(python)), f"compile_topology={MAXTEXT_TOPOLOGY[topology]}",
+            "compile_topology_num_slices=1", f"per_device_batch_size={per_device_batch}",
+            f"max_target_length={seq}", f"remat_policy={remat}", "dataset_type=synthetic", "run_name=bench",
+            "base_output_directory=/tmp/jaxperf_bench_maxtext", "enable_checkpointing=false"]
+    if model_name:
+        argv.append(f"model_name={model_name}")
+    else:
+        argv += [f"base_emb_dim={shapes['d_model']}", f"base_num_decoder_layers={shapes['n_layers']}",
+                 f"base_num_query_heads={shapes['n_heads']}", f"base_num_kv_heads={shapes['n_kv_heads']}",
+                 f"base_mlp_dim={shapes['mlp_dim']}", f"vocab_size={shapes['vocab_size']}",
+                 f"head_dim={shapes['d_model'] // shapes['n_heads']}", "decoder_block=llama2",
+                 "logits_via_embedding=false", f"rope_max_timescale={int(shapes['rope_theta'])}"]
+    env = _env()
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([python, "-c", _MAXTEXT_DRIVER, json.dumps(argv), str(model_flops), str(hardware_flops),
+                          hlo_out or ""],
+                         capture_output=True, text=True, env=env, timeout=timeout)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("MAXTEXT_JSON ")), None)
+    if line is None:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"MaxText train_compile failed (exit {out.returncode}): {tail}")
+    return json.loads(line.removeprefix("MAXTEXT_JSON "))
+
+
+def _maxtext_base(python: str) -> str:
+    out = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                         capture_output=True, text=True, timeout=120)
+    return str(Path(out.stdout.strip()) / "configs" / "base.yml")
+
+
+def _hlo_path(folder: str | None, name: str) -> str | None:
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return str(Path(folder) / (name.replace("/", "_").replace("+", "_") + ".hlo.txt"))
+
+
+def _fields(r: dict, side: str, **extra) -> dict:
+    p = r["prediction"]
+    b = r["bytes_per_chip"]
+    return {"side": side, "bytes_per_chip": b, "gb_per_chip": b["total"] / 1e9, "temp_gb": b["temp"] / 1e9,
+            "compile_s": r["compile_s"], "predicted_step_s": p.get("step_s"), "predicted_mfu": p.get("mfu"),
+            "predicted_step_s_no_overlap": p.get("step_s_no_overlap"),
+            "predicted_mfu_no_overlap": p.get("mfu_no_overlap"), "bound_by": p.get("bound_by"),
+            "compute_s": p.get("compute_s"), "hbm_s": p.get("hbm_s"), "collective_s": p.get("collective_s"),
+            "hbm_bytes": p["hbm_bytes"], "collective_wire_bytes": p["collective_wire_bytes"],
+            "collectives": p["collectives"], "unknown_trip_counts": p["unknown_trip_counts"], **extra}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model on v5p:2x2x1 (4 chips)")
+    ap.add_argument("--topology", default=None, help="default v5p:2x4x4, 32 chips (MaxText calls it v5p-64: its "
+                                                     "names count TensorCores); --tiny: v5p:2x2x1")
+    ap.add_argument("--per-device-batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=None, help="default 8192 (--tiny: 1024)")
+    ap.add_argument("--remat", default="full")
+    ap.add_argument("--layers", type=int, default=None, help="override the number of layers")
+    ap.add_argument("--maxtext-python", default=None, help="an interpreter with the maxtext package")
+    ap.add_argument("--no-maxtext", action="store_true")
+    ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per compile")
+    ap.add_argument("--hlo-dir", default=None, help="write each compiled program's HLO text into this folder")
+    a = ap.parse_args(argv)
+
+    from jaxperf.config import get_config
+    from jaxperf.perf.flops import flops_per_token
+
+    shapes = dict(TINY if a.tiny else LLAMA31_8B)
+    if a.layers:
+        shapes["n_layers"] = a.layers
+    topology = a.topology or ("v5p:2x2x1" if a.tiny else "v5p:2x4x4")
+    chips = 1
+    for d in topology.split(":")[1].split("x"):
+        chips *= int(d)
+    seq = a.seq or (1024 if a.tiny else 8192)
+    batch = a.per_device_batch * chips
+    base = jaxperf_overrides(shapes, batch, seq, a.remat)
+    case = {"model": "tiny-llama" if a.tiny else "llama3.1-8b", "shapes": shapes, "topology": topology,
+            "chips": chips, "batch": batch, "seq_len": seq, "remat": a.remat, "fsdp": chips}
+    records = []
+
+    have_libtpu = importlib.util.find_spec("libtpu") is not None or (Path(LIBTPU_PATH) / "libtpu").is_dir()
+    variants = {"jaxperf/default": [], "jaxperf/pallas+chunked": ["model.attention_impl=pallas",
+                                                                  "model.loss_impl=chunked"]}
+    flops = None
+    for name, extra in variants.items():
+        if not have_libtpu:
+            records.append(emit(record("tpu_compile", name, None, "GB/chip", skipped="libtpu is not installed "
+                                       "(pip install 'jax[tpu]', or set JAXPERF_LIBTPU_PATH)", **case)))
+            continue
+        try:
+            r = run_jaxperf(topology, base + extra, a.timeout, _hlo_path(a.hlo_dir, name))
+        except Exception as e:
+            records.append(emit(record("tpu_compile", name, None, "GB/chip", error=f"{type(e).__name__}: {e}",
+                                       **case)))
+            continue
+        flops = (r["model_flops_per_chip"], r["flops_per_chip"])
+        records.append(emit(record("tpu_compile", name, r["bytes_per_chip"]["total"] / 1e9, "GB/chip",
+                                   **_fields(r, "jaxperf", overrides=extra, device_kind=r["device_kind"]), **case)))
+
+    if flops is None:  # the FLOP count does not need a compile
+        cfg = get_config("llama-1b", base)
+        flops = (flops_per_token(cfg.model, seq) * batch * seq / chips,
+                 flops_per_token(cfg.model, seq, hardware=True) * batch * seq / chips)
+    python, why = (None, "--no-maxtext") if a.no_maxtext else maxtext_python(a.maxtext_python)
+    model_name = None if (a.tiny or a.layers) else "llama3.1-8b"
+    if python is None:
+        records.append(emit(record("tpu_compile", "maxtext", None, "GB/chip", skipped=why, **case)))
+    else:
+        try:
+            r = run_maxtext(python, topology, shapes, a.per_device_batch, seq, a.remat, *flops, a.timeout,
+                            model_name, _hlo_path(a.hlo_dir, "maxtext"))
+            records.append(emit(record("tpu_compile", "maxtext", r["bytes_per_chip"]["total"] / 1e9, "GB/chip",
+                                       **_fields(r, "maxtext", interpreter=why, model_name=model_name), **case)))
+        except Exception as e:
+            records.append(emit(record("tpu_compile", "maxtext", None, "GB/chip",
+                                       error=f"{type(e).__name__}: {e}", **case)))
+    by = {r["name"]: r for r in records}
+    mt, jd = by.get("maxtext", {}), by.get("jaxperf/default", {})
+    if mt.get("value") and jd.get("value"):
+        records.append(emit(record("tpu_compile", "jaxperf_default_vs_maxtext_bytes", jd["value"] / mt["value"],
+                                   "ratio", target=0.9, meets_target=jd["value"] <= 0.9 * mt["value"], **case)))
+    return records
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
