@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
+from jaxperf.explicit.flavours import build_train_step
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
@@ -57,10 +58,14 @@ def topology_devices(topology: str, slices: int = 1) -> list:
 def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     """Compile cfg's train step for every chip of `topology` (times `slices`); returns a report (`format_report`).
 
-    With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`).
+    With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`). The step is
+    the one `parallel.flavour` trains with (jit or shard_map; pmap needs attached devices).
     """
     if slices < 1:
         raise TopologyError(f"--slices {slices} must be >= 1")
+    if cfg.parallel.flavour == "pmap":
+        raise TopologyError("parallel.flavour=pmap compiles only for attached devices; compile the same dp step with "
+                            "parallel.flavour=shard_map (or jit)")
     if slices > 1:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dcn_data=slices))
     devices = topology_devices(topology, slices)
@@ -68,7 +73,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     validate(cfg, len(devices), shape)
     mesh = make_mesh(cfg.parallel, devices)
     task = build_task(cfg, mesh)
-    step = task.train_step(microbatches=step_microbatches(cfg))
+    step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=step_microbatches(cfg),
+                            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce).fn
     state = task.abstract_state()
     B, L = cfg.batch_size, cfg.train_seq_len
     tok = task.batch_sharding(2)
@@ -101,6 +107,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
         # the slice(s) each index of the data axis lives on: one slice per index when fsdp/tensor stay inside a slice
         "slices_per_data_index": [sorted({int(getattr(d, "slice_index", 0)) for d in row.flat})
                                   for row in mesh.devices], "strategy": cfg.parallel.strategy,
+        "flavour": cfg.parallel.flavour,
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
                            "total": total},
@@ -119,8 +126,9 @@ def format_report(r: dict[str, Any]) -> str:
     b = r["bytes_per_chip"]
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items())
     where = f" x {r['slices']} slices" if r.get("slices", 1) > 1 else ""
+    flavour = "" if r.get("flavour", "jit") == "jit" else f" ({r['flavour']})"
     lines = [
-        f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
+        f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}{flavour}, "
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
