@@ -6,7 +6,8 @@
   JAXPERF_REQUIRE_LIBTPU=1 (as in CI) a missing libtpu fails the test instead, so the TPU proof cannot be skipped.
 - GPU: `lower_for_cuda` runs the Pallas GPU lowering on this CPU-only jaxlib and returns the StableHLO text, where each
   Triton kernel is a custom call that carries its kernel name (`gpu_kernel_names`). It catches lowering errors (block
-  shapes, unsupported ops, layouts), not PTX compilation or speed.
+  shapes, unsupported ops, layouts), not PTX compilation or speed. The target GPU is named by an abstract device
+  (an H100): jax 0.10 assumes compute capability 9.0 without one, jax 0.12 refuses to lower Triton kernels without.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 LIBTPU_PATH_ENV = "JAXPERF_LIBTPU_PATH"
 REQUIRE_LIBTPU_ENV = "JAXPERF_REQUIRE_LIBTPU"
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"
+CUDA_TARGET = "NVIDIA H100"  # the device kind the GPU lowering is for (its compute capability picks Triton features)
 
 
 def _libtpu_missing_reason() -> str | None:
@@ -91,8 +93,11 @@ def tpu_replicated(topology: str = "v5p:2x2x1") -> NamedSharding:
 
 
 def lower_for_cuda(fn, *args) -> str:
-    """StableHLO text of `jax.jit(fn)` lowered for CUDA: runs the Pallas GPU lowering of every kernel in `fn`."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """StableHLO text of `jax.jit(fn)` lowered for CUDA (an H100): runs the Pallas GPU lowering of every kernel in
+    `fn`."""
+    device = jax.sharding.AbstractDevice(device_kind=CUDA_TARGET, num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def gpu_kernel_names(stablehlo_text: str) -> list[str]:
