@@ -7,6 +7,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The TPU tests only compile: let each pytest-xdist worker (and each `jaxperf compile` subprocess, which inherits this)
+# load libtpu, instead of the second one failing on libtpu's lock file (/tmp/libtpu_lockfile).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
+from jaxperf.explicit.flavours import build_train_step
 from jaxperf.models.platform import implementation_choices
 from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token
@@ -61,10 +62,14 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     """Compile cfg's train step for every chip of `topology` (times `slices`); returns a report (`format_report`).
     `hlo_out`: a path to write the compiled program's optimized HLO text to (for jaxperf.perf.hlo_cost or a reader).
 
-    With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`).
+    With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`). The step is
+    the one `parallel.flavour` trains with (jit or shard_map; pmap needs attached devices).
     """
     if slices < 1:
         raise TopologyError(f"--slices {slices} must be >= 1")
+    if cfg.parallel.flavour == "pmap":
+        raise TopologyError("parallel.flavour=pmap compiles only for attached devices; compile the same dp step with "
+                            "parallel.flavour=shard_map (or jit)")
     if slices > 1:
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dcn_data=slices))
     devices = topology_devices(topology, slices)
@@ -72,7 +77,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     validate(cfg, len(devices), shape)
     mesh = make_mesh(cfg.parallel, devices)
     task = build_task(cfg, mesh)
-    step = task.train_step(microbatches=step_microbatches(cfg))
+    step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=step_microbatches(cfg),
+                            overlap_grad_reduce=cfg.parallel.overlap_grad_reduce).fn
     state = task.abstract_state()
     B, L = cfg.batch_size, cfg.train_seq_len
     tok = task.batch_sharding(2)
@@ -113,6 +119,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         # the slice(s) each index of the data axis lives on: one slice per index when fsdp/tensor stay inside a slice
         "slices_per_data_index": [sorted({int(getattr(d, "slice_index", 0)) for d in row.flat})
                                   for row in mesh.devices], "strategy": cfg.parallel.strategy,
+        "flavour": cfg.parallel.flavour,
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
@@ -136,8 +143,9 @@ def format_report(r: dict[str, Any]) -> str:
     b = r["bytes_per_chip"]
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items())
     where = f" x {r['slices']} slices" if r.get("slices", 1) > 1 else ""
+    flavour = "" if r.get("flavour", "jit") == "jit" else f" ({r['flavour']})"
     lines = [
-        f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}, "
+        f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}{flavour}, "
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         "implementations: " + "; ".join(f"{op}={c['impl']} ({c['why']})" for op, c in r["implementations"].items()),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
