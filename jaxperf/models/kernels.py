@@ -4,6 +4,9 @@ A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (insid
 runs in a `shard_map` over the axes its operands are sharded on: the batch over the data-parallel axes, heads over
 `tensor`. Without a mesh the kernel is called directly.
 
+Kernels are lowered for the platform of the active mesh's devices (`target_backend`), not the host's: a step compiled
+for a TPU topology described on a CPU machine gets the Mosaic kernels, not the CPU interpreter.
+
 "auto" is the XLA path everywhere for now: on CPU the kernels only run under the interpreter, and on GPU/TPU they take
 over from XLA once a benchmark on that device shows them faster (benchmarks/bench_kernels.py).
 """
@@ -37,6 +40,16 @@ def resolve(impl: str, op: str, unavailable_reason) -> str:
     return impl
 
 
+def target_backend() -> str | None:
+    """The platform the kernels are lowered for: that of the active mesh's devices ("cpu", "gpu", "tpu"), or None
+    (JAX's default backend) outside `activation_sharding`."""
+    active = current()
+    if active is None:
+        return None
+    platform = active[0].devices.flat[0].platform.lower()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
 def _batch_axes(spec: P | None):
     return spec[0] if spec is not None and len(spec) > 0 else None
 
@@ -64,20 +77,22 @@ def sharded(fn, in_specs, out_specs):
 def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     q_spec = activation_spec(("batch", "seq", "heads", "head_dim"), q.shape)
     kv_spec = activation_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape)
+    backend = target_backend()
     if q_spec is None:
-        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+        return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, backend=backend)
     q_spec, kv_spec = _pad_spec(q_spec, 4), _pad_spec(kv_spec, 4)
     seg_spec = P(q_spec[0], None)
     segs = as_segment_ids(segment_ids)
     if segs is None:
-        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal)  # noqa: E731
+        fn = lambda q, k, v: flash_attention(q, k, v, causal=causal, backend=backend)  # noqa: E731
         return sharded(fn, (q_spec, kv_spec, kv_spec), q_spec)(q, k, v)
-    fn = lambda q, k, v, qs, ks: flash_attention(q, k, v, causal=causal, segment_ids=SegmentIds(qs, ks))  # noqa: E731
+    fn = lambda q, k, v, qs, ks: flash_attention(q, k, v, causal=causal, segment_ids=SegmentIds(qs, ks),  # noqa: E731
+                                                  backend=backend)
     return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec)(q, k, v, *segs)
 
 
 def pallas_attention_unavailable(q, k, v):
-    return flash_unavailable_reason(q, k, v)
+    return flash_unavailable_reason(q, k, v, backend=target_backend())
 
 
 def _pad_spec(spec: P, ndim: int) -> P:
@@ -91,10 +106,11 @@ def _pad_spec(spec: P, ndim: int) -> P:
 def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
     """The Pallas LayerNorm / RMSNorm over the last dim (the XLA path lives in jaxperf.models.layers.Norm); with
     `residual`, normalises x + residual and returns (normed, sum)."""
+    backend = target_backend()
     if kind == "layernorm":
-        call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r)  # noqa: E731
+        call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r, backend=backend)  # noqa: E731
     else:
-        call = lambda x, s, b, r: norms.rms_norm(x, s, eps=eps, residual=r)  # noqa: E731
+        call = lambda x, s, b, r: norms.rms_norm(x, s, eps=eps, residual=r, backend=backend)  # noqa: E731
     x_spec = activation_spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
     if x_spec is None:
         return call(x, scale, bias, residual)
@@ -127,18 +143,19 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
     if impl == "chunked":
         which = "xla"
     else:
-        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV))
+        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV, backend=target_backend()))
         if which == "xla":
             which = "reference"
     mask_N = mask_N.astype(jnp.float32)
     row = activation_spec(("batch",), (h_NxD.shape[0],))
+    backend = target_backend()
     if row is None:
-        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which)
+        return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which, backend=backend)
     rows = _pad_spec(row, 1)
     axes = _flat_axes(rows[0])
 
     def per_shard(h, w, t, m):
-        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which)
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total, count

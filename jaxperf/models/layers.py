@@ -150,7 +150,7 @@ class Norm(nnx.Module):
 
 
 def _norm_unavailable(x) -> str | None:
-    return norm_unavailable_reason(x)
+    return norm_unavailable_reason(x, backend=kernels.target_backend())
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:

@@ -236,9 +236,9 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
-def unavailable_reason(q, k, v) -> str | None:
-    """None if `flash_attention` can run for these inputs on the default backend, else a short reason."""
-    backend = jax.default_backend()
+def unavailable_reason(q, k, v, *, backend: str | None = None) -> str | None:
+    """None if `flash_attention` can run for these inputs on `backend` (default: JAX's), else a short reason."""
+    backend = _util.resolve_backend(backend)
     if q.dtype not in _SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"unsupported dtypes {q.dtype}/{k.dtype}/{v.dtype}; need float32, bfloat16 or float16 for all three"
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
