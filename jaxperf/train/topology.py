@@ -29,7 +29,7 @@ from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.memory import estimate
-from jaxperf.step.task import build_task, step_microbatches
+from jaxperf.step.task import build_task, platform_of, step_microbatches
 
 GiB = 2**30
 
@@ -94,7 +94,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
     # the step time at peak uses jaxperf's count (jaxperf.perf.flops, with the remat recomputation) instead.
     flops = flops_per_token(cfg.model, L, hardware=True) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
-    est = estimate(cfg, shape)
+    est = estimate(cfg, shape, platform=platform_of(mesh))
     report = {
         "topology": topology, "slices": slices, "chips": len(devices), "device_kind": devices[0].device_kind,
         "mesh": {a: int(n) for a, n in mesh.shape.items()},
@@ -107,6 +107,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1) -> dict[str, Any]:
         "hbm_bytes": chip.hbm_bytes if chip else None,
         "fits": (total <= chip.hbm_bytes) if chip else None,
         "estimated_bytes_per_chip": int(est.total),
+        "estimated_parts": est.components(),
         "flops_per_chip": flops,
         "xla_cost_analysis_flops_per_chip": xla_flops,
         "step_s_at_peak": flops / peak if peak and flops else None,
