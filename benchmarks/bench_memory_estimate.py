@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -49,17 +50,18 @@ def record(name: str, preset: str, overrides: list[str], topology: str, compiled
     from jaxperf.train.topology import compile_for_topology, topology_devices
 
     cfg = get_config(preset, overrides)
-    devices = topology_devices(topology)
-    platform = devices[0].platform.lower()
+    # a slice of chip:AxBxC has A*B*C chips, all TPUs (no need to load libtpu to know it)
+    chips = math.prod(int(n) for n in topology.split(":")[1].split("x"))
     t0 = time.perf_counter()
     if compiled is None:
+        devices = topology_devices(topology)
         try:
             report = compile_for_topology(cfg, topology)
             compiled = {**report["bytes_per_chip"], "device_kind": report["device_kind"],
                         "compile_s": report["compile_s"]}
         except Exception as e:  # noqa: BLE001 - the compiler refuses a step that does not fit HBM
             compiled = _out_of_memory(cfg, devices, e, time.perf_counter() - t0)
-    est = estimate(cfg, mesh_shape(cfg.parallel, len(devices)), platform=platform)
+    est = estimate(cfg, mesh_shape(cfg.parallel, chips), platform="tpu")
     return {
         "name": name, "topology": topology, "preset": preset, "overrides": overrides,
         "device": "TPU compiler via libtpu, compiled on CPU", "device_kind": compiled.get("device_kind"),

@@ -31,15 +31,25 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                softmax numerator recomputed; `_residuals`). So the remat policy, the attention implementation (the
                XLA attention keeps [H, L, L] scores, fp32, and probabilities; the Pallas kernel q, k, v, its output
                and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
-  + max of the two working sets that follow the forward pass:
+  + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
+    "chunked" and "pallas" losses (they hold their fp32 weight gradient across a loop, and the TPU compiler's
+    reported temporaries carry that working set on top of the layers')
     loss       the output weights gathered whole in the compute dtype (and a transposed copy) with their fp32
                gradient, D x V x (4 + 2s), plus, per loss_impl: "xla" the [tokens, V] logits in the compute dtype
                (XLA fuses the fp32 softmax and its gradient into the ops that read them); "chunked" one
                [1024, V] tile of fp32 logits and its gradient in the compute dtype; "pallas" the fp32 gradient of
                the [tokens, D] hidden states (the kernel's tiles live in on-chip memory)
-    layer      one layer's backward: under remat it first recomputes the layer (its residuals without remat);
-               the XLA attention adds the scores' gradient in fp32 and the probabilities' in the compute dtype
-               (H x L x L x (4 + s) per row); flash attention's backward works in on-chip memory
+    layer      one layer's backward: what it recomputes beyond what the policy saved (the layer's residuals
+               without remat minus those with it), and for the XLA attention the [H, L, L] gradients: the scores'
+               in fp32, plus the probabilities' in the compute dtype where the policy saved the probabilities
+               (none), plus the probabilities recomputed in fp32 where it saved only the scores (save_dots);
+               flash attention's backward works in on-chip memory
+  On TPU the Pallas attention's q, k, v and output are padded to 128 lanes along head_dim (the kernel's layout).
+  code         the compiled program, a constant (ACCELERATOR_CODE_BYTES)
+
+Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
+MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
+own buffer assignment by a few percent at full depth and by 30-50% for models cut to 2 layers (docs/performance.md).
 
 CPU (XLA:CPU, which keeps more of the softmax and reuses fewer buffers): the activations are per token and layer
 what the remat policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
@@ -350,15 +360,21 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     local = _per_device_model(r, t)
     seq = int(positions)
     saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat)
-    layer_bwd = micro_rows * _layer_bytes_per_row(local, seq, "none") if r.remat != "none" else 0.0
+    # one layer's backward: what it recomputes beyond what the policy saved ...
+    layer_bwd = micro_rows * (_layer_bytes_per_row(local, seq, "none") - _layer_bytes_per_row(local, seq, r.remat))
     if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
         # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
         # whole 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves)
         pad = 128 * math.ceil(r.head_dim / 128) - r.head_dim
         saved += micro_rows * seq * (2 * local.n_heads + 2 * local.n_kv_heads) * pad * s
     if r.attention_impl not in ("pallas", "cudnn"):
-        # the XLA attention's backward: the scores' gradient in fp32 and the probabilities' in the compute dtype
-        layer_bwd += micro_rows * local.n_heads * seq * seq * (4 + s)
+        # ... and the XLA attention's [H, L, L] gradients (flash attention's backward works in on-chip memory):
+        # the scores' gradient in fp32 always; where the policy saved the probabilities (none) their gradient needs
+        # a buffer of its own in the compute dtype, where it saved only the scores (save_dots, a matmul output) the
+        # probabilities are recomputed from them in fp32 as well; otherwise the gradients take over the buffers of
+        # the recomputed scores and probabilities
+        per_score = {"none": 4 + s, "save_dots": 8 + s}.get(r.remat, 4)
+        layer_bwd += micro_rows * local.n_heads * seq * seq * per_score
     V, D = _split(r.padded_vocab, t), r.d_model
     # every loss: the output weights gathered whole (and a transposed copy) in the compute dtype, and their fp32
     # gradient before it is reduce-scattered back to the shards
@@ -372,9 +388,15 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # one [chunk, V] tile of fp32 logits and its gradient in the compute dtype
         loss += min(1024, 8 * math.ceil(tokens / 8)) * V * (4 + s)
     else:
-        # the fp32 gradient of the hidden states (the kernel's tiles live in VMEM)
+        # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
         loss += tokens * D * 4
-    activations = layers * saved + max(layer_bwd, loss) + stash
+    if loss_impl == "xla":
+        activations = layers * saved + max(layer_bwd, loss) + stash
+    else:
+        # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
+        # their working set on top of the layers' (measured: its temporaries exceed its own buffer assignment by
+        # that working set), so the two add up
+        activations = layers * saved + layer_bwd + loss + stash
     return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
                           shape, code=ACCELERATOR_CODE_BYTES)
 
