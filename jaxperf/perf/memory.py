@@ -81,13 +81,16 @@ import math
 import types
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from flax import nnx
 
 from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
-from jaxperf.models.gpt import GPT
+from jaxperf.models.gpt import GPT, REMAT_POLICIES
+from jaxperf.models.layers import Block
+from jaxperf.models.platform import for_platform
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
 
@@ -246,8 +249,6 @@ def _residuals(fn, *args) -> list:
     merged (XLA's CSE), boolean masks dropped (iota comparisons XLA recomputes inside the fusion that uses them), and
     an `exp` of another residual of the same shape dropped (the softmax numerator: XLA recomputes it from the saved
     scores in the backward fusion, so one fp32 copy of the scores is kept, not two)."""
-    from jax.extend import core as jex_core
-
     leaves, tree = jax.tree.flatten(args)
     closed, out_shape = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: fn(*jax.tree.unflatten(tree, a)), *xs),
                                        return_shape=True)(*leaves)
@@ -286,9 +287,6 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str) -> float:
     """Bytes one layer keeps for its backward per batch row of `seq` positions under `remat` (the arrays of
     `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
     weights, gathered and counted apart, drop out)."""
-    from jaxperf.models.gpt import REMAT_POLICIES
-    from jaxperf.models.layers import Block
-
     cfg = dataclasses.replace(model_cfg, remat=remat)
     with _compat.no_eager_sharding():
         block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
@@ -318,8 +316,6 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     on one microbatch at a time, plus the stage inputs the schedule stashes; under a ring (seq > 1) it holds L / seq
     positions and meets L / seq keys at a time. The module docstring names every part, per platform.
     """
-    from jaxperf.models.platform import for_platform
-
     platform = _platform(mesh, platform)
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
