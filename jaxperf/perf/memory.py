@@ -22,6 +22,7 @@ Every platform shares:
                (and the residual stream over tensor with sequence_parallel). With stage > 1: the stage's layers
                only, one pipeline microbatch at a time, plus the stage inputs the schedule stashes
                (jaxperf.parallel.pipeline.schedule_ticks).
+  code         the compiled program: a constant on TPU/GPU (ACCELERATOR_CODE_BYTES), 0 on CPU (not compared there)
 
 TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU compiler): the activations are
 
@@ -45,7 +46,6 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                (none), plus the probabilities recomputed in fp32 where it saved only the scores (save_dots);
                flash attention's backward works in on-chip memory
   On TPU the Pallas attention's q, k, v and output are padded to 128 lanes along head_dim (the kernel's layout).
-  code         the compiled program, a constant (ACCELERATOR_CODE_BYTES)
 
 Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
 MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
@@ -69,7 +69,7 @@ nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_ho
 
 tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
 bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
-host) for every preset on a v5p and a v6e slice (arguments + temporaries + code, within 10%);
+host) for every preset on a v5p and a v6e slice (tiny on v5p only; arguments + temporaries + code, within 10%);
 benchmarks/bench_memory_estimate.py prints the full-size figures (docs/performance.md has the table).
 """
 
