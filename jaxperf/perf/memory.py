@@ -6,23 +6,56 @@
     compiled_memory(step.lower(state, batch).compile())   # XLA's own accounting of the compiled step
     live_device_memory()                      # the runtime's counters (GPU/TPU), None on CPU
 
-The estimate is a model of the jaxperf train step, per device:
+The estimate is a model of the jaxperf train step, per device, for the platform it is compiled for (a TPU topology
+described on a CPU host is "tpu"). The model config is first settled for that platform as the step settles it
+(jaxperf.models.platform: for_platform and the implementation table), so "auto" attention and loss become the
+implementations that will run.
+Every platform shares:
 
   params       every parameter in param_dtype, divided by the mesh axes its sharding rule maps it onto (FSDP: the
                fsdp axis along `embed`; TP: the tensor axis along heads/mlp/vocab; DP: whole on every device)
   opt_state    AdamW's two moments, same dtype and sharding as the parameters (optax keeps mu/nu in the param dtype)
   grads        one gradient tree like the parameters; with microbatches > 1 a second one (the accumulator)
-  activations  what the backward pass needs from the forward pass of one microbatch: per layer the tensors the remat
-               policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
-               fp32 logits of the loss with their gradient. The batch is split over data*fsdp, heads/mlp/vocab over
-               tensor, the sequence over seq (and the residual stream over tensor with sequence_parallel). With
-               stage > 1: the stage's layers only, one pipeline microbatch at a time, plus the stage inputs the
-               schedule stashes (jaxperf.parallel.pipeline.schedule_ticks).
   batch        the step's input arrays (inputs, targets int32 and mask fp32) for the whole batch, sharded like it
   gathered     FSDP all-gathers one layer's weights (and their gradients) in full at a time
+  activations  what the backward pass needs from the forward pass of one microbatch, and the largest working set
+               on top of it. The batch is split over data*fsdp, heads/mlp/vocab over tensor, the sequence over seq
+               (and the residual stream over tensor with sequence_parallel). With stage > 1: the stage's layers
+               only, one pipeline microbatch at a time, plus the stage inputs the schedule stashes
+               (jaxperf.parallel.pipeline.schedule_ticks).
+  code         the compiled program: a constant on TPU/GPU (ACCELERATOR_CODE_BYTES), 0 on CPU (not compared there)
 
-Saved per token and layer (s = compute dtype bytes; the XLA attention keeps scores (masked in place), probabilities
-and their gradient in fp32, L x H each):
+TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU compiler): the activations are
+
+  saved        n_layers x what one layer keeps for its backward, read off the program itself: the residuals of
+               `jax.vjp` of one layer (the per-device layer: its heads and MLP columns split over tensor) under the
+               remat policy, traced abstractly, as XLA holds them (identical values merged, boolean masks and the
+               softmax numerator recomputed; `_residuals`). So the remat policy, the attention implementation (the
+               XLA attention keeps [H, L, L] scores, fp32, and probabilities; the Pallas kernel q, k, v, its output
+               and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
+  + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
+    "chunked" and "pallas" losses (they hold their fp32 weight gradient across a loop, and the TPU compiler's
+    reported temporaries carry that working set on top of the layers')
+    loss       the output weights gathered whole in the compute dtype (and a transposed copy) with their fp32
+               gradient, D x V x (4 + 2s), plus, per loss_impl: "xla" the [tokens, V] logits in the compute dtype
+               (XLA fuses the fp32 softmax and its gradient into the ops that read them); "chunked" one
+               [1024, V] tile of fp32 logits and its gradient in the compute dtype; "pallas" the fp32 gradient of
+               the [tokens, D] hidden states (the kernel's tiles live in on-chip memory)
+    layer      one layer's backward: what it recomputes beyond what the policy saved (the layer's residuals
+               without remat minus those with it), and for the XLA attention the [H, L, L] gradients: the scores'
+               in fp32, plus the probabilities' in the compute dtype where the policy saved the probabilities
+               (none), plus the probabilities recomputed in fp32 where it saved only the scores (save_dots);
+               flash attention's backward works in on-chip memory
+  On TPU the Pallas attention's q, k, v and output are padded to 128 lanes along head_dim (the kernel's layout).
+
+Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
+MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
+own buffer assignment by a few percent at full depth and by 30-50% for models cut to 2 layers (docs/performance.md).
+
+CPU (XLA:CPU, which keeps more of the softmax and reuses fewer buffers): the activations are per token and layer
+what the remat policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
+fp32 logits of the loss with their gradient. Saved per token and layer (s = compute dtype bytes; the XLA attention
+keeps scores (masked in place), probabilities and their gradient in fp32, L x H each):
 
   none / save_dots      block input, norms, q, k, v, attention scores and probabilities, attention output, residual,
                         MLP hidden (and gate) and its activation: ~ s*(6D + (H+2K)Dh + H Dh + 3F) + 12 H L
@@ -35,8 +68,10 @@ scratch more). Remat is modelled as it behaves under a rolled scan (`scan_layers
 iteration recomputes one layer; with the layers unrolled XLA schedules the whole stack at once and remat may save
 nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has the figures).
 
-tests/test_perf.py checks it against `compiled_memory` of the real step on the CPU mesh: the estimate's total against
-argument + temp bytes of the compiled step, within 25%.
+tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
+bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
+host) for every preset on a v5p and a v6e slice (tiny on v5p only; arguments + temporaries + code, within 10%);
+benchmarks/bench_memory_estimate.py prints the full-size figures (docs/performance.md has the table).
 """
 
 from __future__ import annotations
@@ -47,17 +82,38 @@ import math
 import types
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex_core
 from jax.sharding import Mesh
 
 from flax import nnx
 
 from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
-from jaxperf.models.gpt import GPT
+from jaxperf.models.gpt import GPT, REMAT_POLICIES
+from jaxperf.models.layers import Block
+from jaxperf.models.platform import for_platform, implementation_choices
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
 
 GiB = 2**30
+
+
+def _settled(cfg: TrainConfig, shape: dict[str, int], platform: str) -> ModelConfig:
+    """cfg.model as the step on `platform` runs it: platform fields settled, and each "auto" implementation replaced by
+    the one the platform table picks for this mesh (jaxperf.models.platform; ring attention stays "auto")."""
+    model = for_platform(cfg.model, platform)
+    chosen = {c.op: c.impl for c in implementation_choices(cfg, shape, platform)}
+    changes = {}
+    if model.attention_impl == "auto" and chosen["attention"] != "ring":
+        changes["attention_impl"] = chosen["attention"]
+    if model.loss_impl == "auto":
+        changes["loss_impl"] = chosen["loss"]
+    if model.norm_impl == "auto":
+        changes["norm_impl"] = chosen["norm"]
+    return dataclasses.replace(model, **changes)
+# The compiled train step's own instructions in device memory. Not derivable from the config; the TPU compiler
+# (libtpu 0.0.42) emits 9-30 MiB per chip for the presets' steps (more for wider models), so a middle value is taken.
+ACCELERATOR_CODE_BYTES = 24 * 2**20
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -110,8 +166,9 @@ class MemoryEstimate:
     gathered: int
     cfg: TrainConfig
     mesh_shape: dict[str, int]
+    code: int = 0
 
-    COMPONENTS = ("params", "opt_state", "grads", "activations", "batch", "gathered")
+    COMPONENTS = ("params", "opt_state", "grads", "activations", "batch", "gathered", "code")
 
     @property
     def total(self) -> int:
@@ -195,15 +252,90 @@ def _saved_per_token_layer(r: ModelConfig, L: int, t: int, sp: bool = False) -> 
     return saved, full
 
 
-def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) -> MemoryEstimate:
-    """Per-device memory of the jaxperf train step for `cfg` on `mesh` (a Mesh, a device count, or axis sizes).
+def _platform(mesh, platform: str | None) -> str:
+    if platform is not None:
+        return platform
+    devices = mesh.devices.flat if isinstance(mesh, Mesh) else jax.devices()
+    kind = next(iter(devices)).platform.lower()
+    return "gpu" if kind in ("cuda", "rocm") else kind
 
-    Nothing is compiled or allocated: the model is traced abstractly once per model config. Under a pipeline
-    (stage > 1) a device holds its stage's layers and works on one microbatch at a time, plus the stage inputs the
-    schedule stashes; under a ring (seq > 1) it holds L / seq positions and meets L / seq keys at a time.
+
+def _residuals(fn, *args) -> list:
+    """The arrays `jax.vjp(fn, *args)` keeps for the backward, as XLA ends up holding them: identical computations
+    merged (XLA's CSE), boolean masks dropped (iota comparisons XLA recomputes inside the fusion that uses them), and
+    an `exp` of another residual of the same shape dropped (the softmax numerator: XLA recomputes it from the saved
+    scores in the backward fusion, so one fp32 copy of the scores is kept, not two)."""
+    leaves, tree = jax.tree.flatten(args)
+    closed, out_shape = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: fn(*jax.tree.unflatten(tree, a)), *xs),
+                                       return_shape=True)(*leaves)
+    jaxpr = closed.jaxpr
+    n_res = len(jax.tree.leaves(out_shape[1]))
+    canon, seen, producer = {}, {}, {}
+    for e in jaxpr.eqns:
+        ins = tuple(("literal", str(v)) if isinstance(v, jex_core.Literal) else id(canon.get(v, v)) for v in e.invars)
+        key = (e.primitive.name, repr(sorted((k, repr(p)) for k, p in e.params.items())), ins)
+        if len(e.outvars) == 1:
+            if key in seen:
+                canon[e.outvars[0]] = seen[key]
+            else:
+                seen[key] = e.outvars[0]
+                producer[e.outvars[0]] = e.primitive.name
+    kept = {}
+    for v in jaxpr.outvars[len(jaxpr.outvars) - n_res:]:
+        if isinstance(v, jex_core.Literal):
+            continue
+        c = canon.get(v, v)
+        if c.aval.dtype != jnp.bool_:
+            kept[id(c)] = c
+    avals = [(c.aval, producer.get(c)) for c in kept.values()]
+    shapes = [(a.shape, a.dtype) for a, _ in avals]
+    return [a for a, prim in avals if not (prim == "exp" and shapes.count((a.shape, a.dtype)) > 1)]
+
+
+def _per_device_model(r: ModelConfig, t: int) -> ModelConfig:
+    """The layer one device runs when heads, KV heads and MLP columns are split over `t` (where they divide)."""
+    div = lambda n: n // t if t > 1 and n % t == 0 else n  # noqa: E731
+    return dataclasses.replace(r, n_heads=div(r.n_heads), n_kv_heads=div(r.n_kv_heads), mlp_dim=div(r.mlp_dim))
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str) -> float:
+    """Bytes one layer keeps for its backward per batch row of `seq` positions under `remat` (the arrays of
+    `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
+    weights, gathered and counted apart, drop out)."""
+    cfg = dataclasses.replace(model_cfg, remat=remat)
+    with _compat.no_eager_sharding():
+        block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(block)
+
+    def layer(st, x, pos):
+        return nnx.merge(graphdef, st)(x, pos, None)
+
+    if remat != "none":
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    sizes = []
+    for rows in (1, 2):
+        x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
+        pos = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+        sizes.append(sum(math.prod(a.shape) * a.dtype.itemsize for a in _residuals(layer, state, x, pos)))
+    return float(sizes[1] - sizes[0])
+
+
+def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, *,
+             platform: str | None = None) -> MemoryEstimate:
+    """Per-device memory of the jaxperf train step for `cfg` on `mesh` (a Mesh, a device count, or axis sizes),
+    compiled for `platform` ("cpu", "gpu", "tpu"; default: that of the mesh's devices, or of JAX's default backend).
+
+    Nothing is compiled or allocated: the model is traced abstractly once per model config. The model's choices left
+    to the platform (attention and loss implementations...) are settled as the step settles them
+    (jaxperf.models.platform.for_platform). Under a pipeline (stage > 1) a device holds its stage's layers and works
+    on one microbatch at a time, plus the stage inputs the schedule stashes; under a ring (seq > 1) it holds L / seq
+    positions and meets L / seq keys at a time. The module docstring names every part, per platform.
     """
+    platform = _platform(mesh, platform)
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
+    cfg = dataclasses.replace(cfg, model=_settled(cfg, shape, platform))
     sp = cfg.parallel.sequence_parallel and shape["tensor"] > 1
     rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)
     r = cfg.model.resolved()
@@ -220,20 +352,65 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None) 
     positions = L / ring  # a device's share of the sequence
     micro_rows = cfg.batch_size // cfg.microbatches / dp
     tokens = micro_rows * positions
-    saved, full = _saved_per_token_layer(r, positions, t, sp)
-    logits = 3 * 4 * _split(r.padded_vocab, t)  # fp32 logits, softmax and their gradient
+    s = jnp.dtype(r.dtype).itemsize
     layers = r.n_layers / stages
-    activations = tokens * (layers * saved + (full if r.remat != "none" else 0) + logits)
-    if stages > 1:  # the stage inputs held between a microbatch's forward and backward
-        _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
-        activations += slots * tokens * (r.d_model / t if sp else r.d_model) * jnp.dtype(r.dtype).itemsize
     accumulates = cfg.microbatches > 1 and stages == 1  # a pipeline's microbatches are not the step's accumulation
     grads = params * (2 if accumulates else 1)
     batch = cfg.batch_size / dp * L * 3 * 4
-    compute = jnp.dtype(r.dtype).itemsize / jnp.dtype(r.param_dtype).itemsize
+    compute = s / jnp.dtype(r.param_dtype).itemsize
     gathered = 2 * layer_full * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
+    stash = 0.0
+    if stages > 1:  # the stage inputs held between a microbatch's forward and backward
+        _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
+        stash = slots * tokens * (r.d_model / t if sp else r.d_model) * s
+    if platform == "cpu":
+        saved, full = _saved_per_token_layer(r, positions, t, sp)
+        logits = 3 * 4 * _split(r.padded_vocab, t)  # fp32 logits, softmax and their gradient
+        activations = tokens * (layers * saved + (full if r.remat != "none" else 0) + logits) + stash
+        return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered),
+                              cfg, shape)
+    local = _per_device_model(r, t)
+    seq = int(positions)
+    saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat)
+    # one layer's backward: what it recomputes beyond what the policy saved ...
+    layer_bwd = micro_rows * (_layer_bytes_per_row(local, seq, "none") - _layer_bytes_per_row(local, seq, r.remat))
+    if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
+        # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
+        # whole 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves)
+        pad = 128 * math.ceil(r.head_dim / 128) - r.head_dim
+        saved += micro_rows * seq * (2 * local.n_heads + 2 * local.n_kv_heads) * pad * s
+    if r.attention_impl not in ("pallas", "cudnn"):
+        # ... and the XLA attention's [H, L, L] gradients (flash attention's backward works in on-chip memory):
+        # the scores' gradient in fp32 always; where the policy saved the probabilities (none) their gradient needs
+        # a buffer of its own in the compute dtype, where it saved only the scores (save_dots, a matmul output) the
+        # probabilities are recomputed from them in fp32 as well; otherwise the gradients take over the buffers of
+        # the recomputed scores and probabilities
+        per_score = {"none": 4 + s, "save_dots": 8 + s}.get(r.remat, 4)
+        layer_bwd += micro_rows * local.n_heads * seq * seq * per_score
+    V, D = _split(r.padded_vocab, t), r.d_model
+    # every loss: the output weights gathered whole (and a transposed copy) in the compute dtype, and their fp32
+    # gradient before it is reduce-scattered back to the shards
+    loss = D * V * (4 + 2 * s)
+    loss_impl = r.loss_impl if r.loss_impl in ("chunked", "pallas") else "xla"
+    if loss_impl == "xla":
+        # the logits in the compute dtype, kept for the backward; XLA fuses the fp32 softmax and its gradient into
+        # the reductions and matmuls that read them
+        loss += tokens * V * s
+    elif loss_impl == "chunked":
+        # one [chunk, V] tile of fp32 logits and its gradient in the compute dtype
+        loss += min(1024, 8 * math.ceil(tokens / 8)) * V * (4 + s)
+    else:
+        # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
+        loss += tokens * D * 4
+    if loss_impl == "xla":
+        activations = layers * saved + max(layer_bwd, loss) + stash
+    else:
+        # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
+        # their working set on top of the layers' (measured: its temporaries exceed its own buffer assignment by
+        # that working set), so the two add up
+        activations = layers * saved + layer_bwd + loss + stash
     return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
-                          shape)
+                          shape, code=ACCELERATOR_CODE_BYTES)
 
 
 def _with(cfg: TrainConfig, **changes) -> TrainConfig:

@@ -105,7 +105,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     flops = flops_per_token(cfg.model, L, hardware=True) * B * L / len(devices)
     model_flops = flops_per_token(cfg.model, L) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
-    est = estimate(cfg, shape)
+    est = estimate(cfg, shape, platform=platform_of(mesh))
     choices = implementation_choices(cfg, shape, platform_of(mesh))
     hlo = compiled.as_text()
     if hlo_out:
@@ -127,6 +127,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "hbm_bytes": chip.hbm_bytes if chip else None,
         "fits": (total <= chip.hbm_bytes) if chip else None,
         "estimated_bytes_per_chip": int(est.total),
+        "estimated_parts": est.components(),
         "flops_per_chip": flops,
         "xla_cost_analysis_flops_per_chip": xla_flops,
         "step_s_at_peak": flops / peak if peak and flops else None,

@@ -481,6 +481,7 @@ def _check_memory(cfg: TrainConfig, shape: dict[str, int], device: jax.Device) -
     if not capacity:
         return
     try:
-        check_fits(estimate(cfg, shape), capacity)
+        platform = device.platform.lower()
+        check_fits(estimate(cfg, shape, platform="gpu" if platform in ("cuda", "rocm") else platform), capacity)
     except OutOfMemoryAdvice as e:
         raise OutOfMemoryAdvice(f"{e}\n(the estimate can be off by a third; check_memory=false tries anyway)") from None
