@@ -3,8 +3,7 @@ v6e slice.
 
 `jaxperf.perf.memory.estimate` is made before compiling; `compile_for_topology` compiles the same train step for the
 slice (libtpu on this CPU machine) and reports both. Each preset keeps its widths, vocabulary, sequence length, remat
-policy and dtypes; the batch drops to one row per chip. The presets' own implementations run (the XLA attention and
-full logits), and two runs take the Pallas attention with the chunked loss and with the fused Pallas loss, so every
+policy and dtypes; the batch drops to one row per chip. The XLA attention and full logits run by name, and two runs take the Pallas attention with the chunked loss and with the fused Pallas loss, so every
 main term of the estimate is exercised: remove the XLA attention's gradients or the loss's gathered output weights
 from the estimate and a run below leaves the 10% band.
 
@@ -13,17 +12,15 @@ All runs share one subprocess (libtpu loads once; two processes that open it at 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-LIBTPU_PATH = os.environ.get("JAXPERF_LIBTPU_PATH", "/tmp/libtpu_pkg")
-HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None or (Path(LIBTPU_PATH) / "libtpu").is_dir()
+from _accelerators import libtpu_pythonpath
+
 TOL = 0.10
 
 # (preset, overrides, topologies): every preset at its own depth, widths, sequence length, remat policy and dtypes, on
@@ -33,12 +30,15 @@ TOL = 0.10
 # that makes its activations the bulk of the step: at its own batch the whole step is a few MiB, which XLA keeps
 # largely in on-chip memory.
 BOTH = ("v5p:2x2x1", "v6e:2x2")
+# The XLA attention and full logits named: on TPU "auto" picks the kernels (jaxperf.models.platform), which the two
+# runs at the end cover.
+XLA = ["attention_impl=xla", "loss_impl=xla"]
 RUNS = [
     # On v6e XLA keeps more of tiny's small arrays in on-chip memory: 1.33x there (docs/performance.md), so v5p only
     ("tiny", ["batch_size=256", "scan_unroll=1"], ("v5p:2x2x1",)),
-    ("gpt2-small", ["batch_size=4"], BOTH),
-    ("gpt2-medium", ["batch_size=4"], BOTH),
-    ("llama-1b", ["batch_size=4"], BOTH),
+    ("gpt2-small", ["batch_size=4"] + XLA, BOTH),
+    ("gpt2-medium", ["batch_size=4"] + XLA, BOTH),
+    ("llama-1b", ["batch_size=4"] + XLA, BOTH),
     ("gpt2-small", ["batch_size=4", "attention_impl=pallas", "loss_impl=chunked"], ("v5p:2x2x1",)),
     ("llama-1b", ["batch_size=4", "attention_impl=pallas", "loss_impl=pallas", "remat=full"], ("v6e:2x2",)),
 ]
@@ -56,14 +56,11 @@ for topology, preset, overrides in json.loads(sys.argv[1]):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed (pip install 'jax[tpu]', or set "
-                                            "JAXPERF_LIBTPU_PATH to a directory holding it)")
 def test_estimate_within_10_percent_of_the_tpu_compiler_for_every_preset():
     runs = [(topology, preset, overrides) for preset, overrides, topologies in RUNS for topology in topologies]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    if importlib.util.find_spec("libtpu") is None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (LIBTPU_PATH, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_pythonpath(), env.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(runs)], capture_output=True, text=True, env=env,
                          timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]
