@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import functools
 import os
 import shlex
 import shutil
@@ -137,7 +138,18 @@ def _as_other_user() -> list[str]:
         return []
     if shutil.which("setpriv") is None:
         pytest.skip("permission faults need a non-root user: running as root without setpriv")
-    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    why = _other_user_cannot_run(tuple(prefix))
+    if why:
+        pytest.skip(f"permission faults need this Python runnable by uid 65534, and it is not: {why}")
+    return prefix
+
+
+@functools.cache
+def _other_user_cannot_run(prefix: tuple[str, ...]) -> str:
+    """"" when the other user can start this interpreter; else its error (e.g. a Python built under /root)."""
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import jax"], capture_output=True, text=True, timeout=120)
+    return "" if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["exit %d" % probe.returncode])[-1]
 
 
 @pytest.fixture
