@@ -242,10 +242,7 @@ class Generator:
         else:
             target = {"params": task.abstract_params_sharded()}
             with Checkpointer(run_dir / "checkpoints") as ckpt:
-                if step is None:
-                    restored, _, _ = ckpt.restore_latest(target)
-                else:
-                    restored, _ = ckpt.restore(step, target)
+                restored, _, _ = ckpt.restore_step_or_latest(step, target)
             params = restored["params"]
         return cls(model, tokenizer_for(cfg), mesh=mesh, strategy=task.rules, params=params, **kwargs)
 

@@ -125,10 +125,7 @@ def _restore_fp32(run_dir: Path, step: int | None):
     task = build_task(cfg, mesh, with_optimizer=False)
     target = {"params": task.abstract_params_sharded()}
     with Checkpointer(run_dir / "checkpoints") as ckpt:
-        if step is None:
-            restored, _, step = ckpt.restore_latest(target)
-        else:
-            restored, _ = ckpt.restore(step, target)
+        restored, _, step = ckpt.restore_step_or_latest(step, target)
     return cfg, task, restored["params"], int(step)
 
 

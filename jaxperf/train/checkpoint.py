@@ -393,6 +393,14 @@ class Checkpointer:
             )
         return self._restore_step(int(step), target, verify)
 
+    def restore_step_or_latest(self, step: int | None, target: Any) -> tuple[Any, dict, int]:
+        """``(state, metadata, step)``: `restore(step, target)` for a given step, `restore_latest(target)` (the newest
+        intact step, corrupt ones moved aside) for None."""
+        if step is None:
+            return self.restore_latest(target)
+        state, meta = self.restore(step, target)
+        return state, meta, step
+
     def restore_latest(self, target: Any, *, verify: bool = True) -> tuple[Any, dict, int]:
         """Restores the newest step that reads back intact: ``(state, metadata, step)``.
 

@@ -217,10 +217,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     task = build_task(cfg, make_mesh(parallel, devices), with_optimizer=False)
     target = {"params": task.abstract_params_sharded()}
     with Checkpointer(run_dir / "checkpoints") as ckpt:
-        if step is None:
-            restored, meta, _ = ckpt.restore_latest(target)
-        else:
-            restored, meta = ckpt.restore(step, target)
+        restored, meta, _ = ckpt.restore_step_or_latest(step, target)
     record = meta.get("init_from") or {}
     tokenizer = tokenizer_for(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
