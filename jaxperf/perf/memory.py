@@ -92,6 +92,7 @@ from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mes
 from jaxperf.models.gpt import GPT, REMAT_POLICIES
 from jaxperf.models.layers import Block
 from jaxperf.models.platform import for_platform, implementation_choices
+from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
 
@@ -255,9 +256,7 @@ def _saved_per_token_layer(r: ModelConfig, L: int, t: int, sp: bool = False) -> 
 def _platform(mesh, platform: str | None) -> str:
     if platform is not None:
         return platform
-    devices = mesh.devices.flat if isinstance(mesh, Mesh) else jax.devices()
-    kind = next(iter(devices)).platform.lower()
-    return "gpu" if kind in ("cuda", "rocm") else kind
+    return platform_of(mesh) if isinstance(mesh, Mesh) else normalize_platform(jax.default_backend())
 
 
 def _residuals(fn, *args) -> list:
