@@ -11,8 +11,9 @@ of logits at a time and recompute it in the backward instead of saving it:
   softmax over V). The forward writes per-row max, sum and target logit; the backward recomputes each logits tile and
   forms dlogits = c * (softmax * (1 + 2 z lse) - onehot) on the fly, for dh = dlogits @ w^T (one program per row
   block) and dw = h^T @ dlogits (one program per vocab block), so nothing needs an atomic add.
-- "xla": the same maths in plain JAX, a `lax.map` / `lax.scan` over row chunks under a `custom_vjp`, so the backward
-  also holds one [chunk, V] tile. It compiles well on every backend and is what "auto" picks.
+- "xla": the same maths in plain JAX under a `custom_vjp`: a `lax.map` over row chunks forward; backward, a loop over
+  vocabulary blocks around a `lax.scan` over row chunks, so it holds one [chunk, block] logits tile and one fp32
+  [D, block] dw accumulator (`BlockSizes.chunk_v`). It compiles well on every backend and is what "auto" picks.
 
 Reductions: on TPU the reduced axis (vocab in the forward and dh, rows in dw) is a sequential ("arbitrary") grid
 axis whose output block stays resident and accumulates, so a tile of w or h is all that sits in VMEM. Triton has no
@@ -51,7 +52,10 @@ class BlockSizes:
 
     block_n: rows per Pallas tile; TPU wants a multiple of 8, Triton a power of two.
     block_v: vocabulary columns per Pallas tile; TPU wants a multiple of 128, Triton a power of two.
-    chunk_n: rows per chunk of the "xla" path; one fp32 [chunk_n, V] tile is its peak temporary.
+    chunk_n: rows per chunk of the "xla" path; one fp32 [chunk_n, V] tile is its forward's peak temporary.
+    chunk_v: widest vocabulary block of the "xla" backward, which keeps one fp32 [D, block] dw accumulator and one
+      [chunk_n, block] logits tile; the block is the widest divisor of V up to chunk_v (V when none is at least a
+      quarter of chunk_v).
     grid_reduction: reduce over a sequential grid axis (True, the TPU layout) or with an in-kernel loop (False, the
       Triton layout); None picks True on TPU only.
     """
@@ -59,6 +63,7 @@ class BlockSizes:
     block_n: int
     block_v: int
     chunk_n: int = 1024
+    chunk_v: int = 8192
     grid_reduction: bool | None = None
 
     @classmethod
@@ -288,18 +293,46 @@ def _fwd_xla(cfg: _Config, h, w, t):
     return lse.reshape(-1), tl.reshape(-1)
 
 
-def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
-    def step(dw, args):
-        h_c, t_c, lse_c, coef_c, scale_c = args
-        logits = _dot(h_c, w)
-        cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        dlogits = scale_c * jnp.exp(logits - lse_c) - jnp.where(cols == t_c, coef_c, 0.0)
-        dh_c = _dot_nt(dlogits.astype(w.dtype), w)
-        return dw + _dot_tn(h_c, dlogits.astype(h.dtype)), dh_c
+def xla_vocab_block(V: int, widest: int) -> int:
+    """The widest divisor of V up to `widest` columns (V itself when it is no wider, or has no divisor of at least a
+    quarter of that width: blocks that narrow would make small matmuls)."""
+    if V <= widest:
+        return V
+    for width in range(widest, max(widest // 4, 1) - 1, -1):
+        if V % width == 0:
+            return width
+    return V
 
+
+def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
+    """dh (fp32) and dw (w's dtype), one vocabulary block of dw at a time.
+
+    The outer loop walks the vocabulary blocks; the inner scan walks the row chunks, recomputing each [chunk, block]
+    logits tile once, and sums that block's dw in fp32 before storing it in w's dtype. So the fp32 accumulator is
+    [D, block], not [D, V] (2 GB for Llama-3's 128256 x 4096), and each element of dw is summed over the same row
+    chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in fp32.
+    """
+    D, V = w.shape
+    block = cfg.block_v
     xs = tuple(_chunks(cfg, x) for x in (h, t, lse, coef, scale))
-    dw, dh = lax.scan(step, jnp.zeros(w.shape, _F32), xs)
-    return dh.reshape(h.shape), dw
+
+    def vocab_block(j, carry):
+        dh, dw = carry
+        col0 = j * block
+        w_blk = lax.dynamic_slice_in_dim(w, col0, block, axis=1)
+
+        def step(dw_blk, args):
+            h_c, t_c, lse_c, coef_c, scale_c = args
+            logits = _dot(h_c, w_blk)
+            cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + col0
+            dlogits = scale_c * jnp.exp(logits - lse_c) - jnp.where(cols == t_c, coef_c, 0.0)
+            return dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), _dot_nt(dlogits.astype(w.dtype), w_blk)
+
+        dw_blk, dh_blk = lax.scan(step, jnp.zeros((D, block), _F32), xs)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_blk.astype(w.dtype), col0, axis=1)
+        return dh + dh_blk.reshape(h.shape), dw
+
+    return lax.fori_loop(0, V // block, vocab_block, (jnp.zeros(h.shape, _F32), jnp.zeros(w.shape, w.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -372,7 +405,7 @@ def _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss):
 
 def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, interpret) -> _Config:
     """Check block sizes, shrink them to the problem, and work out the padded sizes."""
-    for name in ("block_n", "block_v", "chunk_n"):
+    for name in ("block_n", "block_v", "chunk_n", "chunk_v"):
         size = getattr(blocks, name)
         if not isinstance(size, int) or size <= 0:
             raise ValueError(f"BlockSizes.{name}={size!r} must be a positive int")
@@ -396,9 +429,9 @@ def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, 
                 block_v = narrower
         vocab_pad = _util.round_up(V, block_v)
         dim_pad = _util.padded_lanes(D, backend, interpret)
-    else:  # the xla engine keeps V and D as they are and chunks rows by chunk_n
+    else:  # the xla engine keeps V and D as they are, chunks rows by chunk_n and (backward) columns by chunk_v
         block_n = min(blocks.chunk_n, _util.round_up(N, 8))
-        block_v, vocab_pad, dim_pad = V, V, D
+        block_v, vocab_pad, dim_pad = xla_vocab_block(V, blocks.chunk_v), V, D
     tpu_layout = backend == "tpu" or _util.is_tpu_interpret(interpret)
     grid_reduction = tpu_layout if blocks.grid_reduction is None else bool(blocks.grid_reduction)
     if compiled and backend == "gpu" and grid_reduction:

@@ -73,8 +73,9 @@ def test_values_and_grads_match_reference(impl, N, D, V, masked, z_loss, dtype):
     h, w, t, mask = _inputs(N, D, V, dtype, masked)
     if masked and N == 1:
         mask = jnp.ones((1,), jnp.float32)  # a lone masked token would make the mean 0 / 1 and test nothing
-    # Small tiles on the Pallas path: several row and vocab blocks, and a padded last vocab block.
-    blocks = BlockSizes(block_n=32, block_v=64, chunk_n=48)
+    # Small tiles: several row and vocab blocks (a padded last one on the Pallas path; on the xla path V=257 has no
+    # divisor near chunk_v and takes one block, 100 and 512 take 4 and 16).
+    blocks = BlockSizes(block_n=32, block_v=64, chunk_n=48, chunk_v=48)
     value, grads = _value_and_grads(h, w, t, mask, z_loss=z_loss, impl=impl, block_sizes=blocks)
     ref_value, ref_grads = _value_and_grads(h, w, t, mask, z_loss=z_loss, impl="reference")
     value_tol, grad_tol = TOL[dtype]
@@ -152,6 +153,30 @@ def test_memory_of_fused_paths_vs_logits():
     assert naive >= 4 * xla, f"chunked path {xla / 2**20:.0f} MiB is not 4x below {naive / 2**20:.0f} MiB"
     # Interpret mode runs the kernels as a scan over the grid; the TPU test below checks the compiled kernels.
     assert naive >= 4 * pallas, f"pallas path {pallas / 2**20:.0f} MiB vs logits path {naive / 2**20:.0f} MiB"
+
+
+def test_xla_backward_accumulates_dw_one_vocab_block_at_a_time():
+    """bf16 weights (Llama-3 style): the fp32 dw accumulator of the xla backward is [D, block], not [D, V]."""
+    N, D, V = 2048, 768, 50304
+    h = jax.ShapeDtypeStruct((N, D), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((D, V), jnp.bfloat16)
+    t = jax.ShapeDtypeStruct((N,), jnp.int32)
+
+    def temp_bytes(chunk_v):
+        blocks = BlockSizes(block_n=128, block_v=512, chunk_n=512, chunk_v=chunk_v)
+
+        def loss(h, w, t):
+            total, count = linear_cross_entropy(h, w, t, impl="xla", block_sizes=blocks)
+            return total / count
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, w, t).compile().memory_analysis().temp_size_in_bytes
+
+    assert ce.xla_vocab_block(V, 8192) == 6288 and ce.xla_vocab_block(257, 48) == 257 and ce.xla_vocab_block(100, 48) == 25
+    whole, blocked = temp_bytes(V), temp_bytes(8192)
+    accumulator = D * V * 4
+    assert whole - blocked >= 0.7 * accumulator, (
+        f"blocked backward temp {blocked / 2**20:.0f} MiB vs one block {whole / 2**20:.0f} MiB: the fp32 dw "
+        f"accumulator ({accumulator / 2**20:.0f} MiB) is still whole")
 
 
 def _fixed_batch(batch=8, seq=16, vocab=256, seed=0):

@@ -34,13 +34,17 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                XLA attention keeps [H, L, L] scores, fp32, and probabilities; the Pallas kernel q, k, v, its output
                and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
   + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
-    "chunked" and "pallas" losses (they hold their fp32 weight gradient across a loop, and the TPU compiler's
-    reported temporaries carry that working set on top of the layers')
-    loss       the output weights gathered whole in the compute dtype (and a transposed copy) with their fp32
-               gradient, D x V x (4 + 2s), plus, per loss_impl: "xla" the [tokens, V] logits in the compute dtype
-               (XLA fuses the fp32 softmax and its gradient into the ops that read them); "chunked" one
-               [1024, V] tile of fp32 logits and its gradient in the compute dtype; "pallas" the fp32 gradient of
-               the [tokens, D] hidden states (the kernel's tiles live in on-chip memory)
+    "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42, jax 0.10,
+    reports on top of the layers'; libtpu 0.0.52, jax 0.12, overlaps the chunked loss's with the layers' backward,
+    so there the estimate is high: docs/performance.md has the figures)
+    loss       "xla" and "pallas": the output weights gathered whole in the compute dtype (and a transposed copy)
+               with their fp32 gradient, D x V x (4 + 2s), plus for "xla" the [tokens, V] logits in the compute
+               dtype (XLA fuses the fp32 softmax and its gradient into the ops that read them) and for "pallas" the
+               fp32 gradient of the [tokens, D] hidden states (the kernel's tiles live in on-chip memory);
+               "chunked": the output weights gathered, their gradient and its reduction in the compute dtype,
+               D x V x 3s (dw is summed in fp32 one vocabulary block at a time), the forward's [1024, V] fp32
+               logits tile (whose buffer the backward's fp32 dh reuses), the backward's [1024, block] tile and
+               [D, block] fp32 accumulator
     layer      one layer's backward: what it recomputes beyond what the policy saved (the layer's residuals
                without remat minus those with it), and for the XLA attention the [H, L, L] gradients: the scores'
                in fp32, plus the probabilities' in the compute dtype where the policy saved the probabilities
@@ -95,6 +99,7 @@ from jaxperf.models.platform import for_platform, implementation_choices
 from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
+from pallas_kernels.cross_entropy import BlockSizes, xla_vocab_block
 
 GiB = 2**30
 
@@ -396,8 +401,11 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # the reductions and matmuls that read them
         loss += tokens * V * s
     elif loss_impl == "chunked":
-        # one [chunk, V] tile of fp32 logits and its gradient in the compute dtype
-        loss += min(1024, 8 * math.ceil(tokens / 8)) * V * (4 + s)
+        # The output weights gathered, their gradient and its reduction, all in the compute dtype (the backward sums
+        # dw in fp32 one vocabulary block at a time); the forward's [chunk, V] fp32 logits tile, whose buffer the
+        # backward's fp32 dh reuses; the backward's [chunk, block] tile and fp32 [D, block] accumulator
+        chunk, block = min(1024, 8 * math.ceil(tokens / 8)), xla_vocab_block(int(V), BlockSizes.chunk_v)
+        loss = D * V * 3 * s + max(chunk * V, tokens * D) * 4 + chunk * block * (4 + s) + D * block * 4
     else:
         # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
         loss += tokens * D * 4
