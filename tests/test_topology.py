@@ -41,6 +41,8 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     b = r["bytes_per_chip"]
     assert 0 < b["arguments"] and 0 < b["temp"] and b["total"] < r["hbm_bytes"]
     assert r["flops_per_chip"] > 0
+    # the default preset (tiny) unrolls its scan 4 layers per iteration; here both layers run in one iteration
+    assert r["layers"] == {"n": 2, "scanned": True, "per_iteration": 2}
     p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
     assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9
@@ -93,7 +95,9 @@ def test_compile_a_four_axis_mesh_for_a_v5p_slice():
     r = runs["4d"]
     assert r["chips"] == 16 and r["mesh"] == {"data": 2, "stage": 2, "fsdp": 2, "seq": 2, "tensor": 1}
     b, plain = r["bytes_per_chip"], runs["plain"]["bytes_per_chip"]
-    assert b["temp"] < 0.8 * plain["temp"], (b, plain)
+    # 0.83x with libtpu 0.0.42 (the plain run takes the chunked loss, whose backward sums dW one vocabulary block
+    # at a time; with the sequence split the 4-D run keeps the XLA loss)
+    assert b["temp"] < 0.9 * plain["temp"], (b, plain)
     assert abs(r["estimated_bytes_per_chip"] / b["total"] - 1) < 0.25, r
 
 

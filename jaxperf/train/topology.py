@@ -122,6 +122,10 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "flavour": cfg.parallel.flavour,
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
+        # layers per loop iteration: with remat, that many layers' recomputed activations are live at once
+        "layers": {"n": cfg.model.n_layers, "scanned": cfg.model.scan_layers,
+                   "per_iteration": min(cfg.model.scan_unroll, cfg.model.n_layers) if cfg.model.scan_layers
+                   else cfg.model.n_layers},
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
                            "total": total},
         "hbm_bytes": chip.hbm_bytes if chip else None,
@@ -140,6 +144,17 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     return report
 
 
+def _layers_line(layers: dict[str, Any]) -> str:
+    n, per = layers["n"], layers["per_iteration"]
+    if not layers["scanned"]:
+        return f"layers: {n}, unrolled in Python (model.scan_layers=false)"
+    line = f"layers: {n} under a scan, {per} per iteration"
+    if per > 1:
+        line += (f" (model.scan_unroll={per}: {per} layers' recomputed activations are live at once, and the "
+                 "estimate assumes 1; set model.scan_unroll=1 where memory matters)")
+    return line
+
+
 def format_report(r: dict[str, Any]) -> str:
     b = r["bytes_per_chip"]
     mesh = " ".join(f"{a}={n}" for a, n in r["mesh"].items())
@@ -149,6 +164,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['topology']}{where}: {r['chips']} x {r['device_kind']}, mesh {mesh}, strategy {r['strategy']}{flavour}, "
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         "implementations: " + "; ".join(f"{op}={c['impl']} ({c['why']})" for op, c in r["implementations"].items()),
+        _layers_line(r["layers"]),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
         f" -> {b['total'] / GiB:.2f} GiB",
