@@ -262,3 +262,26 @@ def test_trace_writes_files(tmp_path):
                 f(jnp.ones((64, 64))).block_until_ready()
     files = profile.trace_files(logdir)
     assert any(p.endswith(".xplane.pb") for p in files), files
+
+
+def test_tpu_compiler_generation_from_libtpu_else_jax(monkeypatch):
+    """The estimate's loss placement follows the installed libtpu's version, else the libtpu the installed jax pins."""
+    assert memory._release("0.12.0.1") == (0, 12, 0, 1) and memory._release("0.13.0rc1") == (0, 13, 0)
+    assert memory._release("0.0.52.dev20260101") == (0, 0, 52)
+    decide = memory.tpu_compiler_overlaps_loss.__wrapped__
+    versions = {"libtpu": "0.0.42.1"}
+
+    def version(name):
+        if name not in versions:
+            raise memory.importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(memory.importlib.metadata, "version", version)
+    monkeypatch.setattr(memory.jax, "__version__", "0.12.0.1")
+    assert decide() is False  # the installed libtpu wins over jax's version
+    versions["libtpu"] = "0.0.52"
+    assert decide() is True
+    del versions["libtpu"]
+    assert decide() is True
+    monkeypatch.setattr(memory.jax, "__version__", "0.10.2")
+    assert decide() is False

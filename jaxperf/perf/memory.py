@@ -35,8 +35,9 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
   + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
     "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42, jax 0.10,
-    reports on top of the layers'; libtpu 0.0.52, jax 0.12, overlaps the chunked loss's with the layers' backward,
-    so there the estimate is high: docs/performance.md has the figures)
+    reports on top of the layers'). From libtpu 0.0.52 (jax 0.12) the TPU compiler gives the loss's working set the
+    addresses the weight gradients and the gathered layer weights take later, so there it is the larger of the
+    loss's working set and the layer's plus those two (`tpu_compiler_overlaps_loss`)
     loss       "xla" and "pallas": the output weights gathered whole in the compute dtype (and a transposed copy)
                with their fp32 gradient, D x V x (4 + 2s), plus for "xla" the [tokens, V] logits in the compute
                dtype (XLA fuses the fp32 softmax and its gradient into the ops that read them) and for "pallas" the
@@ -82,7 +83,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import math
+import re
 import types
 import jax
 import jax.numpy as jnp
@@ -264,6 +267,36 @@ def _platform(mesh, platform: str | None) -> str:
     return platform_of(mesh) if isinstance(mesh, Mesh) else normalize_platform(jax.default_backend())
 
 
+# The libtpu from which on the TPU compiler places the loss's working set where the weight gradients and the gathered
+# layer weights later go (measured with 0.0.52, the one jax 0.12 pins; 0.0.42, jax 0.10's, keeps them apart).
+LOSS_OVERLAP_LIBTPU = (0, 0, 52)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """"0.12.0.1" -> (0, 12, 0, 1); stops at the first piece that does not start with a digit ("0.13.0rc1" ->
+    (0, 13, 0), "0.0.52.dev2026" -> (0, 0, 52))."""
+    parts = []
+    for piece in version.split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+        if digits.group() != piece:
+            break
+    return tuple(parts)
+
+
+@functools.cache
+def tpu_compiler_overlaps_loss() -> bool:
+    """Whether the TPU compiler at hand reuses the loss's buffers for the weight gradients and the gathered layer
+    weights: the installed libtpu's version decides, else (estimating without libtpu) the libtpu the installed jax
+    pins (jax 0.12 and later pin 0.0.52 or later)."""
+    try:
+        return _release(importlib.metadata.version("libtpu")) >= LOSS_OVERLAP_LIBTPU
+    except importlib.metadata.PackageNotFoundError:
+        return _release(jax.__version__) >= (0, 12)
+
+
 def _residuals(fn, *args) -> list:
     """The arrays `jax.vjp(fn, *args)` keeps for the backward, as XLA ends up holding them: identical computations
     merged (XLA's CSE), boolean masks dropped (iota comparisons XLA recomputes inside the fusion that uses them), and
@@ -409,7 +442,11 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     else:
         # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
         loss += tokens * D * 4
-    if loss_impl == "xla":
+    if platform == "tpu" and tpu_compiler_overlaps_loss():
+        # libtpu 0.0.52 and later: whatever the loss, its working set shares addresses with the weight gradients
+        # and the gathered layer weights (counted apart), which are not live while it runs
+        activations = layers * saved + max(layer_bwd, loss - grads - gathered) + stash
+    elif loss_impl == "xla":
         activations = layers * saved + max(layer_bwd, loss) + stash
     else:
         # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
