@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 SUPPORTED_BACKENDS = ("tpu", "gpu")
 
@@ -106,7 +107,6 @@ def padded_lanes(d: int, backend: str, interpret: bool) -> int:
 def pallas_call(kernel, *, out_shape, **kwargs):
     """`pl.pallas_call` whose outputs vary over the manual mesh axes its operands vary over, so a kernel runs inside a
     `shard_map` that checks replication (`check_vma=True`) as well as outside one."""
-    from jax.experimental import pallas as pl
 
     def call(*args):
         varying = [jax.typeof(a).manual_axis_type for a in jax.tree.leaves(args)

@@ -120,6 +120,8 @@ def _settled(cfg: TrainConfig, shape: dict[str, int], platform: str) -> ModelCon
     if model.norm_impl == "auto":
         changes["norm_impl"] = chosen["norm"]
     return dataclasses.replace(model, **changes)
+
+
 # The compiled train step's own instructions in device memory. Not derivable from the config; the TPU compiler
 # (libtpu 0.0.42) emits 9-30 MiB per chip for the presets' steps (more for wider models), so a middle value is taken.
 ACCELERATOR_CODE_BYTES = 24 * 2**20

@@ -105,8 +105,9 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     flops = flops_per_token(cfg.model, L, hardware=True) * B * L / len(devices)
     model_flops = flops_per_token(cfg.model, L) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
-    est = estimate(cfg, shape, platform=platform_of(mesh))
-    choices = implementation_choices(cfg, shape, platform_of(mesh))
+    platform = platform_of(mesh)
+    est = estimate(cfg, shape, platform=platform)
+    choices = implementation_choices(cfg, shape, platform)
     hlo = compiled.as_text()
     if hlo_out:
         with open(hlo_out, "w") as f:

@@ -32,7 +32,7 @@ from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array
 from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.models.platform import implementation_choices
-from jaxperf.parallel.mesh import make_mesh, platform_of
+from jaxperf.parallel.mesh import make_mesh, normalize_platform, platform_of
 from jaxperf.parallel.pipeline import describe as pipeline_describe
 from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.compile import enable_compilation_cache
@@ -481,7 +481,6 @@ def _check_memory(cfg: TrainConfig, shape: dict[str, int], device: jax.Device) -
     if not capacity:
         return
     try:
-        platform = device.platform.lower()
-        check_fits(estimate(cfg, shape, platform="gpu" if platform in ("cuda", "rocm") else platform), capacity)
+        check_fits(estimate(cfg, shape, platform=normalize_platform(device.platform)), capacity)
     except OutOfMemoryAdvice as e:
         raise OutOfMemoryAdvice(f"{e}\n(the estimate can be off by a third; check_memory=false tries anyway)") from None
