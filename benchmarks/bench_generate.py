@@ -3,11 +3,15 @@
     python benchmarks/bench_generate.py --tiny                      # CPU-sized model, batch sizes 1 and 4
     python benchmarks/bench_generate.py --preset gpt2-small --batch-sizes 1,8,32 --max-tokens 128
     python benchmarks/bench_generate.py --quantize int8              # weight-only int8 (jaxperf.models.quant)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_generate.py --data 2   # 2 CPU cores
 
 For each batch size: prefill tokens/s (prompt tokens / prefill time) and decode tokens/s (new tokens / decode time),
 the medians over `--repeats` generations after one warm-up that compiles (compile time reported apart). A decode step
 has to read every weight and the whole KV cache once (the reference decode attention reads all S slots of each row,
 where each row's slots lie contiguously per KV head), so its floor is (weight bytes + cache bytes) / HBM bandwidth; `pct_of_peak` is that floor over the measured step time.
+`--data N` splits the rows over N devices (one engine, a mesh data=N): each device decodes its rows in a loop of its
+own (jaxperf.generate.engine), so on a CPU each simulated device is a core at work. Batch 1 then takes N rows (the
+row bucket is a multiple of N), of which one is used; the figures count the used rows only.
 Greedy decoding with no stop tokens, so every row produces exactly `--max-tokens` tokens. Random weights: speed does not
 depend on them. Before timing, the greedy tokens of the first row are checked against a full forward of the model.
 """
@@ -45,11 +49,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 weights")
+    parser.add_argument("--data", type=int, default=1, help="devices the rows are split over (default 1)")
     parser.add_argument("overrides", nargs="*", help="config key=value, e.g. model.dtype=bfloat16")
     args = parser.parse_args(argv)
 
     from flax import nnx
 
+    from jaxperf import _compat
     from jaxperf.config import get_config, validate_model
     from jaxperf.generate import Generator, cache_bytes
     from jaxperf.models import GPT
@@ -67,8 +73,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      f"{mcfg.max_seq_len}: every row must be able to produce all its tokens for the figures to hold")
     repeats = args.repeats or (3 if args.tiny else 5)
 
+    if not 1 <= args.data <= jax.device_count():
+        parser.error(f"--data {args.data} needs that many devices, {jax.device_count()} are visible: on CPU set "
+                     f"XLA_FLAGS=--xla_force_host_platform_device_count={max(args.data, 1)}")
+    mesh = _compat.make_mesh((args.data, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[: args.data])
     model = GPT(mcfg, rngs=nnx.Rngs(0))
-    gen = Generator(model, quantize=args.quantize)
+    gen = Generator(model, mesh=mesh, quantize=args.quantize)
     rng = np.random.default_rng(0)
     if args.quantize is None:  # the int8 engine is checked against the int8 model in tests/test_quantize.py
         _check(model, gen, [int(t) for t in rng.integers(0, mcfg.vocab_size, 5)], mcfg.vocab_size)
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         floor_s = bytes_per_step / bw
         common = dict(batch=B, prompt_len=prompt_len, max_tokens=max_tokens, shapes=first.shapes,
                       compile_s=first.compile_s, repeats=repeats, dtype=mcfg.dtype, preset=args.preset,
-                      weights=args.quantize or "fp32",
+                      weights=args.quantize or "fp32", data=args.data,
                       tiny=args.tiny, n_params=int(sum(x.size for x in jax.tree.leaves(gen.params))))
         records.append(emit(record("generate", f"prefill_b{B}", B * prompt_len / prefill_s, "tokens/s",
                                    prefill_s=prefill_s, **common)))

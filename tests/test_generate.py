@@ -184,6 +184,31 @@ def test_generation_on_a_mesh_equals_single_device(strategy, parallel):
     assert [r.tokens for r in sharded] == [r.tokens for r in single]
 
 
+def test_rows_split_over_devices_decode_in_loops_of_their_own():
+    """Rows over 2 devices (tensor 1): each device runs its own decode loop, with no collective in the program,
+    stops when its own rows are done, and every row's tokens equal the single-device engine's."""
+    from jaxperf import _compat
+
+    model, single = _shared("llama")
+    mesh = _compat.make_mesh((2, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:2])
+    gen = Generator(model, mesh=mesh)
+    assert gen._rows_local()
+    prompts, budgets = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]], [2, 3, 7, 9]  # rows 0-1 on device 0, 2-3 on 1
+    kw = dict(temperature=0.9, top_k=30, top_p=1.0)
+    state = gen.insert(gen.new_state(4, 32), prompts, [0, 1, 2, 3], seeds=[1, 2, 3, 4], max_tokens=budgets,
+                       **{k: [v] * 4 for k, v in kw.items()})
+    state, out = gen.decode(state, 8, exit_on_finish=True)
+    # Device 0 leaves its loop when row 0 finishes (2 steps), device 1 when row 2 does (7 steps).
+    assert [len(t) for t in out.tokens] == [2, 2, 7, 7] and out.steps == 7
+    exe, = [e for k, e in gen._compiled.items() if k[0] == "decode"]
+    collectives = re.findall(r"all-reduce|all-gather|collective-permute|all-to-all|reduce-scatter", exe.as_text())
+    assert not collectives, f"the per-device decode loops communicate: {sorted(set(collectives))}"
+    state, more = gen.decode(state, 8)
+    got = [a + b for a, b in zip(out.tokens, more.tokens)]
+    want = [single.generate([p], n, seed=[s], **kw)[0].tokens for p, n, s in zip(prompts, budgets, [1, 2, 3, 4])]
+    assert got == want
+
+
 @pytest.mark.slow
 def test_cli_generates_from_a_trained_checkpoint(tmp_path, capsys):
     from jaxperf.cli import main

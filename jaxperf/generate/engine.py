@@ -34,6 +34,7 @@ Legend: B rows, n inserted rows, P prompt bucket, S cache slots, V padded vocabu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -317,9 +318,35 @@ class Generator:
             put(state.top_k_B, top_k_n), put(state.top_p_B, top_p_n), put(state.max_tokens_B, max_tokens_n),
             put(state.stop_ids_BxNS, stop_ids_nxNS)))
 
+    def _rows_local(self) -> bool:
+        """True when rows are all the mesh splits (its `tensor` axis is 1): each device then holds whole rows and
+        whole weights, and runs its own decode loop (`_decode_fn`)."""
+        return self.mesh.shape.get("tensor", 1) == 1
+
     def _decode_fn(self, params, state: DecodeState, steps, exit_on_finish, cancel_B) -> tuple[DecodeState, Any]:
+        """The decode loop over the whole state, or, when rows are all the mesh splits, one loop per device.
+
+        Per-device loops (a shard_map over the rows) share nothing while they run: each device decodes its own rows,
+        tests its own rows for the loop's exit and stops on its own, so no step waits on a cross-device reduction
+        and the devices decode in parallel. A row's tokens do not depend on which loop runs it. With the weights
+        split over `tensor`, one loop spans the mesh instead.
+        """
+        if not self._rows_local():
+            return self._decode_loop(params, state, steps, exit_on_finish, cancel_B, constrained=True)
+        rows = logical_to_spec(("batch",), self.rules.activations, self.mesh, (state.batch,))
+        row_spec = P(rows[0]) if len(rows) else P()
+        state_specs = jax.tree.map(lambda _: row_spec, state)
+        loop = _compat.shard_map(
+            lambda p, s, n, e, c: self._decode_loop(p, s, n, e, c, constrained=False), mesh=self.mesh,
+            in_specs=(P(), state_specs, P(), P(), row_spec), out_specs=(state_specs, row_spec), check_vma=False)
+        state, report = loop(params, state, steps, exit_on_finish, cancel_B)
+        return self._constrained(state), report
+
+    def _decode_loop(self, params, state: DecodeState, steps, exit_on_finish, cancel_B, *,
+                     constrained: bool) -> tuple[DecodeState, Any]:
         B, S, C = state.batch, state.max_len, self.max_chunk
         state = state.replace(done_B=state.done_B | cancel_B)
+        sharding = activation_sharding(self.mesh, self.rules) if constrained else contextlib.nullcontext()
         out_BxC = jnp.full((B, C), NO_TOKEN, jnp.int32)
 
         def cond(carry):
@@ -328,7 +355,7 @@ class Generator:
 
         def body(carry):
             i, s, out, finished = carry
-            with activation_sharding(self.mesh, self.rules):
+            with sharding:
                 model = self._merge(params)
                 key_B = jax.vmap(jax.random.fold_in)(s.key_B, s.generated_B)
                 tok_B = sample(key_B, s.logits_BxV, s.temperature_B, s.top_k_B, s.top_p_B)
@@ -351,7 +378,8 @@ class Generator:
         # Everything the host reads, in one array (one transfer): tokens, generated, done, stopped, steps run.
         report_Bx4 = jnp.stack([state.generated_B, state.done_B.astype(jnp.int32), state.stopped_B.astype(jnp.int32),
                                 jnp.broadcast_to(i, (B,))], axis=1)
-        return self._constrained(state), jnp.concatenate([out_BxC, report_Bx4], axis=1)
+        report = jnp.concatenate([out_BxC, report_Bx4], axis=1)
+        return (self._constrained(state) if constrained else state), report
 
     # ----------------------------------------------------------------------------------------------------------------
     def _executable(self, name: str, fn, args, static: dict, donate=()):
@@ -442,7 +470,10 @@ class Generator:
         """Up to `steps` (<= max_chunk) decode steps of every running row; returns (new state, DecodeOutput).
 
         Stops early when every row is done, or with `exit_on_finish` as soon as some row finishes (a server then
-        reuses its slot at once). Rows in `cancel` are marked done first. The old state is donated.
+        reuses its slot at once). When the rows are split over devices that each run their own loop (a mesh whose
+        `tensor` axis is 1), "every row" and "some row" mean those of one device: a device stops on its own, and
+        the call returns when all have stopped (`steps` is the most any ran). Rows in `cancel` are marked done
+        first. The old state is donated.
         """
         B = state.batch
         steps = self.max_chunk if steps is None else int(steps)
@@ -459,8 +490,9 @@ class Generator:
         seconds = time.perf_counter() - t0
         out, C = report[:, : self.max_chunk], self.max_chunk
         tokens = [row[row != NO_TOKEN].tolist() for row in out]
+        # Per-device loops may run different numbers of steps: the call ran as many as the longest.
         return state, DecodeOutput(tokens, report[:, C], report[:, C + 1].astype(bool), report[:, C + 2].astype(bool),
-                                   int(report[0, C + 3]) if B else 0, seconds)
+                                   int(report[:, C + 3].max()) if B else 0, seconds)
 
     # ----------------------------------------------------------------------------------------------------------------
     def encode(self, prompts) -> list[list[int]]:
