@@ -304,6 +304,32 @@ def test_requests_inserted_into_a_running_state_equal_each_request_alone():
     assert out.steps == 0 and out.done[1] and out.tokens[1] == []
 
 
+def test_first_argmax_is_argmax_and_the_draw_is_categorical():
+    from jaxperf.generate.sampling import first_argmax
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 50)).astype(np.float32)
+    x[:8, 3] = x[:8, 40] = 9.0  # ties: the first index wins
+    x[8] = -np.inf  # a row of -inf
+    x[9, [7, 20]] = np.nan  # NaN counts as the maximum, as in jnp.argmax
+    x[10, rng.integers(0, 50, 10)] = -np.inf
+    np.testing.assert_array_equal(first_argmax(jnp.asarray(x)), jnp.argmax(jnp.asarray(x), axis=-1))
+    logits = jnp.asarray(rng.normal(size=(16, 50)) * 3, jnp.float32)
+    keys = jax.random.split(jax.random.key(3), 16)
+    want = jax.vmap(jax.random.categorical)(keys, logits)
+    np.testing.assert_array_equal(sample(keys, logits, temperature=1.0), want)
+
+
+def test_the_decode_program_has_no_variadic_argmax():
+    """XLA:CPU runs the (value, index) reduction of jnp.argmax one element at a time; decode uses first_argmax."""
+    _, gen = _shared("llama")
+    gen.generate([[1, 2, 3]] * 4, max_tokens=20, temperature=0.7)
+    texts = [e.as_text() for k, e in gen._compiled.items() if k[0] == "decode"]
+    assert texts
+    for text in texts:
+        assert not re.findall(r"= \([^)]*\) reduce\(", text), "a variadic reduce (jnp.argmax) in the decode step"
+
+
 def test_top_k_and_top_p_without_sorting_equal_the_sorted_definitions():
     rng = np.random.default_rng(0)
     top_k, nucleus = jax.jit(apply_top_k), jax.jit(nucleus_mask)  # k and p traced: one compilation each

@@ -312,6 +312,23 @@ def test_replica_meshes_split_the_devices_and_refuse_too_many():
     assert dict(meshes[0].shape) == {"data": 1, "fsdp": 1, "tensor": 4}
     with pytest.raises(ValueError, match=r"3 replica\(s\) of 4 device\(s\) need 12 devices, found 8"):
         replica_meshes(3, 4)
+    rows = replica_meshes(1, 2, axis="data")
+    assert dict(rows[0].shape) == {"data": 2, "fsdp": 1, "tensor": 1}
+
+
+def test_a_replica_with_its_rows_split_over_two_devices_answers_as_one_engine(gen):
+    rows_gen = gen.on(replica_meshes(1, 2, axis="data")[0])
+    assert rows_gen._rows_local()
+    srv = Server(create_app([rows_gen], max_batch=4, chunk=4, max_tokens_limit=LIMIT))
+    try:
+        bodies = [{"prompt": f"tale {i}", "max_tokens": 3 + 2 * i, "temperature": 0.8, "seed": i} for i in range(5)]
+        results = concurrently(*[lambda b=b: srv.post("/generate", b) for b in bodies])
+        for (status, text), body in zip(results, bodies):
+            assert status == 200, text
+            assert json.loads(text)["tokens"] == alone(gen, body).tokens, body
+        assert srv.metrics()["replicas"][0]["devices"] == ["cpu:0", "cpu:1"]
+    finally:
+        srv.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -563,3 +580,14 @@ def test_cli_serve_runs_replicas_and_answers_v1(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_cli_serve_refuses_rows_that_do_not_split_over_a_replica(tmp_path, capsys):
+    from jaxperf.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--checkpoint", str(tmp_path), "--replica-axis", "data", "--devices-per-replica", "2",
+                 "--max-batch", "3", "--no-warmup"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("jaxperf serve: --max-batch 3 rows do not split over --devices-per-replica 2 (--replica-axis "
+                   "data): give a multiple of 2")

@@ -31,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--replicas", type=int, default=1, help="engines, each on its own device(s); requests go to the "
                                                            "least loaded")
-    p.add_argument("--devices-per-replica", type=int, default=1, help="devices of one replica's mesh (tensor axis)")
+    p.add_argument("--devices-per-replica", type=int, default=1, help="devices of one replica's mesh")
+    p.add_argument("--replica-axis", choices=("tensor", "data"), default="tensor",
+                   help="what a replica's devices split: its weights (tensor) or its rows (data: each device decodes "
+                        "its rows in a loop of its own; --max-batch must be a multiple of --devices-per-replica)")
     p.add_argument("--max-batch", type=int, default=8, help="rows (slots) one replica decodes together")
     p.add_argument("--max-len", type=int, default=None, help="cache slots per row (default: the model's context)")
     p.add_argument("--chunk", type=int, default=8, help="decode steps between boundaries (admission, streaming)")
@@ -61,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
               "run, the --out of `jaxperf quantize` or a Hugging Face model directory", file=sys.stderr)
         return 2
     try:
-        meshes = replica_meshes(args.replicas, args.devices_per_replica, jax.devices())
+        if args.replica_axis == "data" and args.max_batch % args.devices_per_replica:
+            raise ValueError(f"--max-batch {args.max_batch} rows do not split over --devices-per-replica "
+                             f"{args.devices_per_replica} (--replica-axis data): give a multiple of "
+                             f"{args.devices_per_replica}")
+        meshes = replica_meshes(args.replicas, args.devices_per_replica, jax.devices(), axis=args.replica_axis)
         first = load_generator(ckpt, mesh=meshes[0], quantize=None if is_quantized_dir(ckpt) else args.quantize)
     except (ValueError, ConfigError, HFCheckpointError, CorruptCheckpointError) as e:
         print(f"jaxperf serve: {e}", file=sys.stderr)

@@ -475,14 +475,22 @@ class Scheduler:
         return {**total, "replicas": per}
 
 
-def replica_meshes(n: int, devices_per_replica: int = 1, devices: Sequence[Any] | None = None) -> list:
-    """n meshes (data 1, fsdp 1, tensor k) over disjoint groups of k devices, in device order: one per replica."""
+def replica_meshes(n: int, devices_per_replica: int = 1, devices: Sequence[Any] | None = None, *,
+                   axis: str = "tensor") -> list:
+    """n meshes over disjoint groups of k devices, in device order: one per replica.
+
+    `axis="tensor"` (data 1, fsdp 1, tensor k): a replica's weights and KV heads are split over its devices and one
+    decode loop spans them. `axis="data"` (data k, tensor 1): its rows are split, every device holds all weights and
+    decodes its rows in a loop of its own (Generator.decode); the replica's batch must then be a multiple of k.
+    """
     devices = list(devices if devices is not None else jax.devices())
     k = devices_per_replica
     if n < 1 or k < 1:
         raise ValueError(f"replicas={n} and devices_per_replica={k} must be >= 1")
+    if axis not in ("tensor", "data"):
+        raise ValueError(f"axis={axis!r}: a replica's devices split its weights ('tensor') or its rows ('data')")
     if n * k > len(devices):
         raise ValueError(f"{n} replica(s) of {k} device(s) need {n * k} devices, found {len(devices)}: use fewer "
                          f"replicas, or on a CPU host set XLA_FLAGS=--xla_force_host_platform_device_count={n * k}")
-    return [_compat.make_mesh((1, 1, k), ("data", "fsdp", "tensor"), devices=devices[i * k:(i + 1) * k])
-            for i in range(n)]
+    shape = (1, 1, k) if axis == "tensor" else (k, 1, 1)
+    return [_compat.make_mesh(shape, ("data", "fsdp", "tensor"), devices=devices[i * k:(i + 1) * k]) for i in range(n)]
