@@ -12,14 +12,16 @@ and when its answer was complete (latency). The server runs in this process (uvi
 
 Scenarios, each on the same load: static batching (the server before continuous batching: a batch runs until all its
 requests are done), continuous batching, continuous batching over `--replicas` replicas (one per device; a CPU host
-needs XLA_FLAGS=--xla_force_host_platform_device_count=N, else the scenario is recorded as skipped), and continuous
+needs XLA_FLAGS=--xla_force_host_platform_device_count=N, else the scenario is recorded as skipped), continuous
+batching on one replica whose rows are split over those N devices (`serve --replica-axis data`), and continuous
 batching with int8 weights. Every scenario is warmed up first (its programs compiled) and the records say how many
 programs compiled during the measured run (0 expected).
 
 Per scenario: requests/s and tokens/s over the run (first arrival to last answer), latency and time to first token
 p50 and p99, and goodput: requests/s answered within the latency budget. The budget is `--budget-s`, or 4x the
 latency of one long request alone on an idle server (measured first). `continuous_vs_static` is the ratio of
-goodputs at the same budget and load. Also: the engine's decode tokens/s at batch 1 and 32 (greedy, no server), and
+goodputs at the same budget and load. Also: the engine's decode tokens/s at batch 1 and 32 (greedy, no server; also
+with the rows over N devices), and
 for int8 the weight bytes and the perplexity of both weight sets on held-out text (the preset's corpus; random
 weights unless `--checkpoint`, so read that perplexity as a check of the quantization error, not of the model).
 """
@@ -265,10 +267,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         records.append(rep)
         records.append(emit(record(NAME, f"replicas_x{n_rep}_vs_1", rep["requests_per_s"] / cont["requests_per_s"],
                                    "x", **common)))
+        # One replica whose rows are split over the same devices (serve --replica-axis data).
+        rows_gen = gen.on(replica_meshes(1, n_rep, axis="data")[0])
+        records.append(scenario(f"continuous_rows_x{n_rep}", [rows_gen], "continuous"))
     else:
-        records.append(emit(record(NAME, f"continuous_x{n_rep}", None, None, skipped=(
-            f"{n_rep} replicas need {n_rep} devices, found {len(jax.devices())}: run with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n_rep}"), **common)))
+        rows_gen = None
+        for name in (f"continuous_x{n_rep}", f"continuous_rows_x{n_rep}"):
+            records.append(emit(record(NAME, name, None, None, skipped=(
+                f"{n_rep} replicas need {n_rep} devices, found {len(jax.devices())}: run with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n_rep}"), **common)))
 
     gen8 = gen.on(gen.mesh, quantize="int8") if not gen.quantized else gen
     records.append(scenario("continuous_int8", [gen8], "continuous"))
@@ -299,6 +306,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     records.append(emit(record(NAME, "decode_b1", d1, "tokens/s", prompt_len=prompt_len, new_tokens=new, **common)))
     records.append(emit(record(NAME, "decode_b32", d32, "tokens/s", prompt_len=prompt_len, new_tokens=new, **common)))
     records.append(emit(record(NAME, "decode_b32_vs_b1", d32 / d1, "x", **common)))
+    if rows_gen is not None:  # the same with the rows over n_rep devices, each decoding its rows in its own loop
+        r1, r32 = (engine_decode(rows_gen, b, prompt_len, new, reps, rng) for b in (1, 32))
+        records.append(emit(record(NAME, f"decode_b32_vs_b1_rows_x{n_rep}", r32 / r1, "x", b1_tokens_per_s=r1,
+                                   b32_tokens_per_s=r32, prompt_len=prompt_len, new_tokens=new, **common)))
     d8, d8q = (engine_decode(g, 8, prompt_len, new, reps, rng) for g in (gen, gen8))
     records.append(emit(record(NAME, "decode_b8_int8_vs_fp32", d8q / d8, "x", fp32_tokens_per_s=d8,
                                int8_tokens_per_s=d8q, **common)))

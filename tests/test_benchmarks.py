@@ -164,16 +164,21 @@ def test_generate_tiny_checks_then_times_prefill_and_decode():
         assert d["unit"] == "tokens/s" and d["value"] == pytest.approx(b * d["max_tokens"] / d["decode_s"])
         # % of the bandwidth limit is the floor over the measured step
         assert d["pct_of_peak"] == pytest.approx(100 * d["bandwidth_floor_s"] / d["step_s"], rel=1e-2, abs=6e-4)  # rounded to 3 decimals
+    rows = {r["name"]: r for r in load("generate").main(["--tiny", "--data", "2", "--batch-sizes", "1"])}
+    assert rows["decode_b1"]["data"] == 2 and rows["decode_b1"]["shapes"]["batch"] == 2  # a row per device
+    with pytest.raises(SystemExit):
+        load("generate").main(["--tiny", "--data", "99"])
 
 
 @pytest.mark.slow
 def test_serve_tiny_measures_every_scenario_on_loopback():
     pytest.importorskip("uvicorn")
     recs = load("serve").main(["--tiny", "--requests", "16"])
-    check_records(recs, "serve", ["static", "continuous", "continuous_vs_static", "continuous_x2", "continuous_int8",
-                                  "int8_weight_bytes", "decode_b1", "decode_b32", "decode_b32_vs_b1"])
+    check_records(recs, "serve", ["static", "continuous", "continuous_vs_static", "continuous_x2", "continuous_rows_x2",
+                                  "continuous_int8", "int8_weight_bytes", "decode_b1", "decode_b32", "decode_b32_vs_b1",
+                                  "decode_b32_vs_b1_rows_x2"])
     by_name = {r["name"]: r for r in recs}
-    for name in ("static", "continuous", "continuous_x2", "continuous_int8"):
+    for name in ("static", "continuous", "continuous_x2", "continuous_rows_x2", "continuous_int8"):
         r = by_name[name]
         assert r["completed"] == r["requests"] == 16 and not r["errors"], r
         assert r["compiles_during_run"] == 0, r  # warmed up: nothing compiled while timed
