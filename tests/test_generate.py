@@ -207,6 +207,10 @@ def test_rows_split_over_devices_decode_in_loops_of_their_own():
     got = [a + b for a, b in zip(out.tokens, more.tokens)]
     want = [single.generate([p], n, seed=[s], **kw)[0].tokens for p, n, s in zip(prompts, budgets, [1, 2, 3, 4])]
     assert got == want
+    state = gen.insert(state, prompts, [0, 1, 2, 3], seeds=[1, 2, 3, 4], max_tokens=[5] * 4,
+                       **{k: [v] * 4 for k, v in kw.items()})
+    state, out = gen.decode(state, 3, cancel=[2])  # a row of the second device: its own flags reach it
+    assert [len(t) for t in out.tokens] == [3, 3, 0, 3] and out.done.tolist() == [False, False, True, False]
 
 
 @pytest.mark.slow

@@ -291,6 +291,14 @@ class Generator:
     def _merge_abstract(self):
         return nnx.merge(self._graphdef, self._template, self._other)
 
+    def _insert_packed(self, params, state: DecodeState, packed_nxC) -> DecodeState:
+        """`_insert_fn` on its host arguments packed into one int32 array [n, P + 8 + N_STOP] (see `insert`)."""
+        Pb = packed_nxC.shape[1] - 8 - N_STOP
+        col = [packed_nxC[:, Pb + i] for i in range(8)]
+        f32, u32 = (lambda c, t=t: jax.lax.bitcast_convert_type(c, t) for t in (jnp.float32, jnp.uint32))
+        return self._insert_fn(params, state, packed_nxC[:, :Pb], col[0], col[1], u32(col[2]), col[3], f32(col[4]),
+                               col[5], f32(col[6]), col[7], packed_nxC[:, Pb + 8:])
+
     def _insert_fn(self, params, state: DecodeState, tokens_nxP, prompt_len_n, slot_n, seed_n, fold_n, temperature_n,
                    top_k_n, top_p_n, max_tokens_n, stop_ids_nxNS) -> DecodeState:
         n, Pb = tokens_nxP.shape
@@ -323,8 +331,10 @@ class Generator:
         whole weights, and runs its own decode loop (`_decode_fn`)."""
         return self.mesh.shape.get("tensor", 1) == 1
 
-    def _decode_fn(self, params, state: DecodeState, steps, exit_on_finish, cancel_B) -> tuple[DecodeState, Any]:
+    def _decode_fn(self, params, state: DecodeState, packed) -> tuple[DecodeState, Any]:
         """The decode loop over the whole state, or, when rows are all the mesh splits, one loop per device.
+
+        `packed` is the host's [steps, exit_on_finish, cancel_B...] in one int32 array (see `decode`).
 
         Per-device loops (a shard_map over the rows) share nothing while they run: each device decodes its own rows,
         tests its own rows for the loop's exit and stops on its own, so no step waits on a cross-device reduction
@@ -332,14 +342,21 @@ class Generator:
         split over `tensor`, one loop spans the mesh instead.
         """
         if not self._rows_local():
-            return self._decode_loop(params, state, steps, exit_on_finish, cancel_B, constrained=True)
+            return self._decode_loop(params, state, packed[0], packed[1] != 0, packed[2:] != 0, constrained=True)
         rows = logical_to_spec(("batch",), self.rules.activations, self.mesh, (state.batch,))
-        row_spec = P(rows[0]) if len(rows) else P()
+        row_axes = rows[0] if len(rows) else None
+        row_spec = P(row_axes)
         state_specs = jax.tree.map(lambda _: row_spec, state)
-        loop = _compat.shard_map(
-            lambda p, s, n, e, c: self._decode_loop(p, s, n, e, c, constrained=False), mesh=self.mesh,
-            in_specs=(P(), state_specs, P(), P(), row_spec), out_specs=(state_specs, row_spec), check_vma=False)
-        state, report = loop(params, state, steps, exit_on_finish, cancel_B)
+
+        def local(p, s, packed):
+            # Every device gets the whole packed array and takes its own rows' cancel flags: no resharding.
+            first = jax.lax.axis_index(row_axes) * s.batch if row_axes is not None else 0
+            cancel = jax.lax.dynamic_slice_in_dim(packed[2:], first, s.batch) != 0
+            return self._decode_loop(p, s, packed[0], packed[1] != 0, cancel, constrained=False)
+
+        loop = _compat.shard_map(local, mesh=self.mesh, in_specs=(P(), state_specs, P()),
+                                 out_specs=(state_specs, row_spec), check_vma=False)
+        state, report = loop(params, state, packed)
         return self._constrained(state), report
 
     def _decode_loop(self, params, state: DecodeState, steps, exit_on_finish, cancel_B, *,
@@ -458,11 +475,13 @@ class Generator:
         stops = np.full((nb, N_STOP), -1, np.int32)
         if stop_ids is not None:
             stops[:n] = stop_ids
-        host = [tokens, lengths, col(slots, np.int32, B), col([int(s) % 2**32 for s in seeds], np.uint32, 0),
-                col(folds or [0] * n, np.int32, 0), col(temperature, np.float32, 0.0), col(top_k, np.int32, 0),
-                col(top_p, np.float32, 1.0), col(max_tokens, np.int32, 1), stops]
-        args = (self.params, state, *jax.device_put(host, self._replicated))  # one transfer call for all
-        exe = self._executable("insert", self._insert_fn, args, {}, donate=(1,))
+        columns = [lengths, col(slots, np.int32, B), col([int(s) % 2**32 for s in seeds], np.uint32, 0),
+                   col(folds or [0] * n, np.int32, 0), col(temperature, np.float32, 0.0), col(top_k, np.int32, 0),
+                   col(top_p, np.float32, 1.0), col(max_tokens, np.int32, 1)]
+        # One int32 array (floats and seeds by their bits): each host array put on a device costs tens of us.
+        packed = np.concatenate([tokens] + [c.view(np.int32)[:, None] for c in columns] + [stops], axis=1)
+        args = (self.params, state, jax.device_put(packed, self._replicated))
+        exe = self._executable("insert", self._insert_packed, args, {}, donate=(1,))
         return exe(*args)
 
     def decode(self, state: DecodeState, steps: int | None = None, *, exit_on_finish: bool = False,
@@ -481,8 +500,8 @@ class Generator:
             raise ValueError(f"steps={steps} must lie in [1, {self.max_chunk}] (max_chunk)")
         cancel_B = np.zeros((B,), bool)
         cancel_B[list(cancel)] = True
-        host = jax.device_put([np.int32(steps), np.bool_(exit_on_finish), cancel_B], self._replicated)
-        args = (self.params, state, *host)
+        packed = np.concatenate([np.array([steps, exit_on_finish], np.int32), cancel_B.astype(np.int32)])
+        args = (self.params, state, jax.device_put(packed, self._replicated))  # one host array: one transfer
         exe = self._executable("decode", self._decode_fn, args, {}, donate=(1,))
         t0 = time.perf_counter()
         state, report = exe(*args)

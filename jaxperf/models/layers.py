@@ -277,26 +277,6 @@ def decode_attention(q_Bx1xHxDh, k_cache_BxKxSxDh, v_cache_BxKxSxDh, lengths_B):
     return out.reshape(B, 1, H, Dh).astype(q_Bx1xHxDh.dtype)
 
 
-# exp(-2u) is capped at exp(40) so its square (in the gradient) stays finite in fp32; past the cap GELU is below
-# 1e-16 * |x| and its gradient below 1e-15.
-_GELU_EXP_CAP = 40.0
-
-
-def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GELU's tanh approximation, x * 0.5 * (1 + tanh(u)) with u = sqrt(2/pi) * (x + 0.044715 x^3).
-
-    On CPU it is computed as x / (1 + exp(-2u)) in fp32 (the same function: 0.5 * (1 + tanh(u)) = sigmoid(2u)),
-    because XLA:CPU evaluates tanh as a long rational polynomial and exp in a few instructions: the MLP of a decode
-    step runs a third faster this way and the values agree with `jax.nn.gelu(approximate=True)` to float rounding
-    (tests/test_layers.py). Elsewhere (TPU, GPU, where tanh is one hardware op) it is `jax.nn.gelu` itself.
-    """
-    if target_platform() != "cpu":
-        return jax.nn.gelu(x, approximate=True)
-    x32 = x.astype(jnp.float32)
-    u = math.sqrt(2.0 / math.pi) * (x32 + 0.044715 * (x32 * x32 * x32))
-    return (x32 / (1.0 + jnp.exp(jnp.minimum(-2.0 * u, _GELU_EXP_CAP)))).astype(x.dtype)
-
-
 class MLP(nnx.Module):
     """GELU MLP (GPT-2) or SwiGLU (Llama).
 
@@ -327,7 +307,7 @@ class MLP(nnx.Module):
             gate = _column(x_BxLxD, self.w_gate_DxF[...].astype(dt), hooks, self.grad_barrier)
             h = jax.nn.silu(gate) * h
         else:
-            h = jax.nn.gelu(h, approximate=False) if self.act == "gelu_exact" else gelu_tanh(h)
+            h = jax.nn.gelu(h, approximate=self.act != "gelu_exact")
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = _row(h_BxLxF, self.w_out_FxD[...].astype(dt), 1, hooks, self.grad_barrier)
         if self.bias_out_D is not None:
