@@ -190,9 +190,9 @@ def test_contradicting_overrides_are_refused_before_compiling(tmp_path):
         Trainer(get_config("tiny", [f"init_from={src}", "n_layers=3", f"run_dir={tmp_path}/run"]))
     # Settings that do not change what the model computes are the run's to choose.
     cfg = InitSource.open(src).configure(get_config("tiny", [f"init_from={src}", "remat=full", "dtype=bfloat16",
-                                                             f"run_dir={tmp_path}/run"]))
+                                                             "scan_unroll=2", f"run_dir={tmp_path}/run"]))
     assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.remat, cfg.model.dtype) == (2, 16, "full", "bfloat16")
-    assert cfg.model.scan_unroll == 4  # the tiny preset's, a runtime setting
+    assert cfg.model.scan_unroll == 2  # a runtime setting
     # From the command line an override counts even when it equals the default (n_layers=4): refused, exit 2, nothing
     # compiled.
     out = run_cli(tmp_path, "train", f"init_from={src}", "n_layers=4", *RUN, timeout=120)

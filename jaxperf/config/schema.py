@@ -60,8 +60,10 @@ class ModelConfig:
     use_bias: bool | None = None  # biases in projections and norms (gpt2: yes, llama: no)
     tie_embeddings: bool = True  # output projection = embedding table transposed
     scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
-    scan_unroll: int = 1  # layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params;
-    # remat then saves little: see jaxperf.perf.memory)
+    # Layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params; remat then saves little:
+    # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.for_platform): on CPU the whole
+    # stack when it has at most 4 layers, else 1; on TPU and GPU 1.
+    scan_unroll: int | None = None
     remat: Remat = "none"  # what the backward recomputes (jaxperf.models.gpt.REMAT_POLICIES)
     dtype: Dtype = "float32"  # compute dtype (parameters stay param_dtype)
     param_dtype: ParamDtype = "float32"

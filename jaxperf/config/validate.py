@@ -95,7 +95,7 @@ def validate_model(m: ModelConfig) -> ModelConfig:
                           f"n_kv_heads among {divisors}")
     if r.position == "rope" and r.head_dim % 2:
         raise ConfigError(f"RoPE needs an even head_dim, got {r.head_dim}")
-    if r.scan_unroll < 1:
+    if r.scan_unroll is not None and r.scan_unroll < 1:
         raise ConfigError(f"model.scan_unroll={r.scan_unroll} must be at least 1 (layers per scan iteration; "
                           f"{r.n_layers} unrolls all of them)")
     return r

@@ -13,6 +13,7 @@ Fields `for_platform` settles once, in `build_task`:
 | field | None becomes |
 |---|---|
 | matmul_grad_barrier | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
+| scan_unroll | on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; 1 on TPU and GPU (one layer's recomputed activations live at a time) |
 
 Implementations "auto" picks while the step is traced, from the shapes it sees (the same functions answer for the
 start-up report and `jaxperf info` before anything is compiled):
@@ -61,7 +62,19 @@ def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
     changes = {}
     if cfg.matmul_grad_barrier is None:
         changes["matmul_grad_barrier"] = platform == "cpu"
+    if cfg.scan_unroll is None:
+        changes["scan_unroll"] = default_scan_unroll(platform, cfg.n_layers)
     return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+# Stacks this shallow run unrolled on CPU (model.scan_unroll=None).
+CPU_UNROLL_LAYERS = 4
+
+
+def default_scan_unroll(platform: str, n_layers: int) -> int:
+    """Layers per scan iteration when `model.scan_unroll` is None (see the table above)."""
+    _check(platform)
+    return n_layers if platform == "cpu" and n_layers <= CPU_UNROLL_LAYERS else 1
 
 
 def _check(platform: str) -> None:

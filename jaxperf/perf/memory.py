@@ -69,9 +69,10 @@ keeps scores (masked in place), probabilities and their gradient in fp32, L x H 
   full                  block input only
 
 It is an estimate: XLA fuses elementwise work and reuses buffers, so the compiled program can need less (or some
-scratch more). Remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`), where each
-iteration recomputes one layer; with the layers unrolled XLA schedules the whole stack at once and remat may save
-nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has the figures).
+scratch more). Remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`, the default on
+TPU and GPU), where each iteration recomputes one layer; with the layers unrolled XLA schedules the whole stack at
+once and remat may save nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has
+the figures; docs/performance.md what k layers per iteration cost on TPU).
 
 tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
 bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
