@@ -20,7 +20,8 @@ from jaxperf.train.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 # 2 scanned layers, 4 heads of 8, mlp 128, vocab 256, fp32 for tight comparisons.
-MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16)
+# A rolled layer loop (on CPU two layers would otherwise run unrolled): the tests look for collectives inside it.
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, scan_unroll=1)
 BATCH, SEQ, STEPS = 16, 16, 2
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, decay_steps=10, eps=1e-3)  # eps: see tests/test_parallel.py
 

@@ -41,8 +41,8 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     b = r["bytes_per_chip"]
     assert 0 < b["arguments"] and 0 < b["temp"] and b["total"] < r["hbm_bytes"]
     assert r["flops_per_chip"] > 0
-    # the default preset (tiny) unrolls its scan 4 layers per iteration; here both layers run in one iteration
-    assert r["layers"] == {"n": 2, "scanned": True, "per_iteration": 2}
+    # the default preset (tiny) runs its layers unrolled on CPU only: compiled for TPU, one layer per iteration
+    assert r["layers"] == {"n": 2, "scanned": True, "per_iteration": 1}
     p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
     assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9
@@ -73,6 +73,14 @@ def test_compile_without_libtpu_says_how_to_install_it():
     out = _compile(["--topology", "v5p:2x2x1"], libtpu=False, timeout=120)
     assert out.returncode == 2
     assert "needs libtpu" in out.stderr and "pip install 'jax[tpu]'" in out.stderr, out.stderr
+
+
+def test_the_report_says_when_several_layers_share_a_loop_iteration():
+    from jaxperf.train.topology import _layers_line
+
+    line = _layers_line({"n": 32, "scanned": True, "per_iteration": 4})
+    assert "4 per iteration" in line and "model.scan_unroll=4" in line and "estimate assumes 1" in line, line
+    assert "scan_unroll" not in _layers_line({"n": 32, "scanned": True, "per_iteration": 1})
 
 
 def test_compile_rejects_a_malformed_topology_before_anything_else():
