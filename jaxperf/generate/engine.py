@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Iterator, Sequence
@@ -65,6 +66,7 @@ PAD_ID = 0
 NO_TOKEN = -1  # in decode's output buffer: the row produced nothing at that step
 MIN_PROMPT_BUCKET = 8
 MAX_CHUNK = 32  # decode steps per call at most (the width of the output buffer)
+_INSERT_COLUMNS = 8  # per-row settings between the prompt tokens and the stop ids in `insert`'s packed array
 
 
 @dataclasses.dataclass
@@ -292,12 +294,16 @@ class Generator:
         return nnx.merge(self._graphdef, self._template, self._other)
 
     def _insert_packed(self, params, state: DecodeState, packed_nxC) -> DecodeState:
-        """`_insert_fn` on its host arguments packed into one int32 array [n, P + 8 + N_STOP] (see `insert`)."""
-        Pb = packed_nxC.shape[1] - 8 - N_STOP
-        col = [packed_nxC[:, Pb + i] for i in range(8)]
-        f32, u32 = (lambda c, t=t: jax.lax.bitcast_convert_type(c, t) for t in (jnp.float32, jnp.uint32))
-        return self._insert_fn(params, state, packed_nxC[:, :Pb], col[0], col[1], u32(col[2]), col[3], f32(col[4]),
-                               col[5], f32(col[6]), col[7], packed_nxC[:, Pb + 8:])
+        """`_insert_fn` on its host arguments packed into one int32 array (see `insert`): the prompt tokens [n, P],
+        then the columns prompt length, slot, seed (uint32 bits), fold, temperature (float32 bits), top_k, top_p
+        (float32 bits), max_tokens, then the stop ids [n, N_STOP]."""
+        Pb = packed_nxC.shape[1] - _INSERT_COLUMNS - N_STOP
+        length, slot, seed, fold, temperature, top_k, top_p, max_tokens = (
+            packed_nxC[:, Pb + i] for i in range(_INSERT_COLUMNS))
+        f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+        return self._insert_fn(params, state, packed_nxC[:, :Pb], length, slot,
+                               jax.lax.bitcast_convert_type(seed, jnp.uint32), fold, f32(temperature), top_k,
+                               f32(top_p), max_tokens, packed_nxC[:, Pb + _INSERT_COLUMNS:])
 
     def _insert_fn(self, params, state: DecodeState, tokens_nxP, prompt_len_n, slot_n, seed_n, fold_n, temperature_n,
                    top_k_n, top_p_n, max_tokens_n, stop_ids_nxNS) -> DecodeState:
@@ -342,7 +348,9 @@ class Generator:
         split over `tensor`, one loop spans the mesh instead.
         """
         if not self._rows_local():
-            return self._decode_loop(params, state, packed[0], packed[1] != 0, packed[2:] != 0, constrained=True)
+            state, report = self._decode_loop(params, state, packed[0], packed[1] != 0, packed[2:] != 0,
+                                              constrained=True)
+            return self._constrained(state), report
         rows = logical_to_spec(("batch",), self.rules.activations, self.mesh, (state.batch,))
         row_axes = rows[0] if len(rows) else None
         row_spec = P(row_axes)
@@ -395,8 +403,7 @@ class Generator:
         # Everything the host reads, in one array (one transfer): tokens, generated, done, stopped, steps run.
         report_Bx4 = jnp.stack([state.generated_B, state.done_B.astype(jnp.int32), state.stopped_B.astype(jnp.int32),
                                 jnp.broadcast_to(i, (B,))], axis=1)
-        report = jnp.concatenate([out_BxC, report_Bx4], axis=1)
-        return (self._constrained(state) if constrained else state), report
+        return state, jnp.concatenate([out_BxC, report_Bx4], axis=1)
 
     # ----------------------------------------------------------------------------------------------------------------
     def _executable(self, name: str, fn, args, static: dict, donate=()):

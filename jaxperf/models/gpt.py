@@ -19,7 +19,7 @@ from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import Block, Norm, _param, dense, embed_lookup
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
-from jaxperf.models.platform import default_scan_unroll, loss_choice
+from jaxperf.models.platform import layers_per_iteration, loss_choice
 from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.rules import activation_spec, constrain, current
 
@@ -110,8 +110,7 @@ class GPT(nnx.Module):
             def body(x, layer_state):
                 return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL), None
 
-            unroll = cfg.scan_unroll or default_scan_unroll(target_platform(), cfg.n_layers)
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=min(unroll, cfg.n_layers))
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg, target_platform()))
         else:
             for block in self.blocks:
                 graphdef, state = nnx.split(block)

@@ -77,6 +77,11 @@ def default_scan_unroll(platform: str, n_layers: int) -> int:
     return n_layers if platform == "cpu" and n_layers <= CPU_UNROLL_LAYERS else 1
 
 
+def layers_per_iteration(cfg: ModelConfig, platform: str) -> int:
+    """Layers one iteration of the scanned stack runs on `platform` (the scan's `unroll`)."""
+    return min(cfg.scan_unroll or default_scan_unroll(platform, cfg.n_layers), cfg.n_layers)
+
+
 def _check(platform: str) -> None:
     if platform not in PLATFORMS:
         raise ValueError(f"unknown platform {platform!r}; expected one of {PLATFORMS}")

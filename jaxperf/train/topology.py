@@ -27,7 +27,7 @@ from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
 from jaxperf.explicit.flavours import build_train_step
-from jaxperf.models.platform import default_scan_unroll, implementation_choices
+from jaxperf.models.platform import implementation_choices, layers_per_iteration
 from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
@@ -125,8 +125,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
         # layers per loop iteration: with remat, that many layers' recomputed activations are live at once
         "layers": {"n": cfg.model.n_layers, "scanned": cfg.model.scan_layers,
-                   "per_iteration": min(cfg.model.scan_unroll or default_scan_unroll(platform, cfg.model.n_layers),
-                                        cfg.model.n_layers) if cfg.model.scan_layers else cfg.model.n_layers},
+                   "per_iteration": layers_per_iteration(cfg.model, platform) if cfg.model.scan_layers
+                   else cfg.model.n_layers},
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
                            "total": total},
         "hbm_bytes": chip.hbm_bytes if chip else None,
