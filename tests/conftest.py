@@ -10,6 +10,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The TPU tests only compile: let each pytest-xdist worker (and each `jaxperf compile` subprocess, which inherits this)
 # load libtpu, instead of the second one failing on libtpu's lock file (/tmp/libtpu_lockfile).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# No persistent compilation cache (JAX's, and the trainer's default, which follows it): each test process compiles
+# its own programs, and nothing the tests compile lands in, or is read from, the user's cache or another worker's.
+# A test of the cache names a directory of its own.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
 
 import jax  # noqa: E402
 

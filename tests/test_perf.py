@@ -184,14 +184,29 @@ def test_memory_estimate_sharding_and_advice():
 
 
 def test_enable_compilation_cache_is_idempotent(tmp_path):
-    before = jax.config.jax_compilation_cache_dir
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {n: getattr(jax.config, n) for n in names}
     try:
         p1 = pcompile.enable_compilation_cache(tmp_path / "xla")
         assert pcompile.enable_compilation_cache(tmp_path / "xla") == p1
         assert jax.config.jax_compilation_cache_dir == p1 and jax.config.jax_persistent_cache_min_compile_time_secs == 0
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+    finally:  # the rest of this process compiles without the cache again, as conftest set it
+        for n, v in before.items():
+            jax.config.update(n, v)
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
         pcompile._CACHE_DIR = None
+
+
+def test_the_trainer_cache_follows_jax_own_setting(monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere/xla")
+    assert get_config("tiny").compile_cache_dir == "/elsewhere/xla"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+    assert get_config("tiny").compile_cache_dir == ""
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    assert get_config("tiny").compile_cache_dir == "~/.cache/jaxperf/xla"
 
 
 def test_export_forward_roundtrip(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -162,6 +163,12 @@ class DataConfig:
     prefetch: int = 2  # batches prepared ahead on a background thread
 
 
+def default_compile_cache_dir() -> str:
+    """Where the trainer keeps compiled programs unless told: JAX's own `JAX_COMPILATION_CACHE_DIR` where it is set
+    ("" turns the cache off), else ~/.cache/jaxperf/xla."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR", "~/.cache/jaxperf/xla")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """A whole training run."""
@@ -181,7 +188,8 @@ class TrainConfig:
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
     keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
-    compile_cache_dir: str = "~/.cache/jaxperf/xla"  # JAX's persistent compilation cache ("" = off)
+    # JAX's persistent compilation cache ("" = off); by default JAX's own JAX_COMPILATION_CACHE_DIR where it is set
+    compile_cache_dir: str = field(default_factory=default_compile_cache_dir)
     check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"
