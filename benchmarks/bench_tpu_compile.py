@@ -62,8 +62,17 @@ def jaxperf_overrides(shapes: dict, batch: int, seq: int, remat: str) -> list[st
             "strategy=fsdp"]
 
 
+def _libtpu_dir() -> str | None:
+    """The directory a subprocess needs on its PYTHONPATH to import libtpu: where this process finds it (its sys.path
+    may have gained the directory at run time, which a subprocess does not inherit), else $JAXPERF_LIBTPU_PATH."""
+    spec = importlib.util.find_spec("libtpu")
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(next(iter(spec.submodule_search_locations))).parent)
+    return LIBTPU_PATH if (Path(LIBTPU_PATH) / "libtpu").is_dir() else None
+
+
 def run_jaxperf(topology: str, overrides: list[str], timeout: float, hlo_out: str | None = None) -> dict:
-    env = _env(LIBTPU_PATH if importlib.util.find_spec("libtpu") is None else None)
+    env = _env(_libtpu_dir())
     env.pop("XLA_FLAGS", None)
     cmd = [sys.executable, "-m", "jaxperf.cli", "compile", "--topology", topology, "--json", *overrides]
     if hlo_out:
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "chips": chips, "batch": batch, "seq_len": seq, "remat": a.remat, "fsdp": chips}
     records = []
 
-    have_libtpu = importlib.util.find_spec("libtpu") is not None or (Path(LIBTPU_PATH) / "libtpu").is_dir()
+    have_libtpu = _libtpu_dir() is not None
     variants = {"jaxperf/default": [], "jaxperf/pallas+chunked": ["model.attention_impl=pallas",
                                                                   "model.loss_impl=chunked"]}
     flops = None
