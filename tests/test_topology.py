@@ -79,7 +79,7 @@ def test_the_report_says_when_several_layers_share_a_loop_iteration():
     from jaxperf.train.topology import _layers_line
 
     line = _layers_line({"n": 32, "scanned": True, "per_iteration": 4})
-    assert "4 per iteration" in line and "model.scan_unroll=4" in line and "estimate assumes 1" in line, line
+    assert "4 per iteration" in line and "model.scan_unroll=4" in line and "scan_unroll=1 needs the least" in line, line
     assert "scan_unroll" not in _layers_line({"n": 32, "scanned": True, "per_iteration": 1})
 
 

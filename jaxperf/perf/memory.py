@@ -52,6 +52,10 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                (none), plus the probabilities recomputed in fp32 where it saved only the scores (save_dots);
                flash attention's backward works in on-chip memory
   On TPU the Pallas attention's q, k, v and output are padded to 128 lanes along head_dim (the kernel's layout).
+  + with k layers per scan iteration (`model.scan_unroll=k`), for each layer after the first, shares of its
+    recomputed activations and of the XLA attention's gradient buffers, measured per TPU compiler (UNROLL_SHARES):
+    the backward of an iteration slices k layers' saved arrays out of the scan's stack at once. A Python loop over
+    the layers (`scan_layers=false`) is modelled as one layer per iteration.
 
 Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
 MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
@@ -69,10 +73,10 @@ keeps scores (masked in place), probabilities and their gradient in fp32, L x H 
   full                  block input only
 
 It is an estimate: XLA fuses elementwise work and reuses buffers, so the compiled program can need less (or some
-scratch more). Remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`, the default on
-TPU and GPU), where each iteration recomputes one layer; with the layers unrolled XLA schedules the whole stack at
-once and remat may save nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has
-the figures; docs/performance.md what k layers per iteration cost on TPU).
+scratch more). On CPU remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`), where
+each iteration recomputes one layer; with the layers unrolled XLA:CPU schedules the whole stack at once and remat
+may save nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has the figures;
+docs/performance.md what k layers per iteration cost on TPU).
 
 tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
 bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
@@ -100,7 +104,7 @@ from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
 from jaxperf.models.gpt import GPT, REMAT_POLICIES
 from jaxperf.models.layers import Block
-from jaxperf.models.platform import for_platform, implementation_choices
+from jaxperf.models.platform import for_platform, implementation_choices, layers_per_iteration
 from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
@@ -290,6 +294,15 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+# Several layers per scan iteration (`model.scan_unroll=k`): what the TPU compiler holds for each layer of an iteration
+# beyond the first, as fractions of (one layer's recomputed activations, the XLA attention's [H, L, L] gradient
+# buffers). Its buffer report shows why both grow: the backward of an iteration slices k layers' saved arrays out of
+# the scan's stack at once, and gives each layer's fp32 attention gradients buffers of their own. Measured on v5p
+# with gpt2-medium and llama-1b (XLA attention under save_dots; Pallas attention under remat full) at k = 1, 2 and 4
+# (docs/performance.md), per compiler: libtpu before 0.0.52, and from 0.0.52 on, which shares more of it.
+UNROLL_SHARES = {False: (0.4, 1.2), True: (0.3, 0.5)}
+
+
 @functools.cache
 def tpu_compiler_overlaps_loss() -> bool:
     """Whether the TPU compiler at hand reuses the loss's buffers for the weight gradients and the gathered layer
@@ -414,7 +427,8 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     seq = int(positions)
     saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat)
     # one layer's backward: what it recomputes beyond what the policy saved ...
-    layer_bwd = micro_rows * (_layer_bytes_per_row(local, seq, "none") - _layer_bytes_per_row(local, seq, r.remat))
+    recompute = micro_rows * (_layer_bytes_per_row(local, seq, "none") - _layer_bytes_per_row(local, seq, r.remat))
+    attention_grads = 0.0
     if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
         # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
         # whole 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves)
@@ -427,7 +441,14 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # probabilities are recomputed from them in fp32 as well; otherwise the gradients take over the buffers of
         # the recomputed scores and probabilities
         per_score = {"none": 4 + s, "save_dots": 8 + s}.get(r.remat, 4)
-        layer_bwd += micro_rows * local.n_heads * seq * seq * per_score
+        attention_grads = micro_rows * local.n_heads * seq * seq * per_score
+    layer_bwd = recompute + attention_grads
+    newer_tpu_compiler = platform == "tpu" and tpu_compiler_overlaps_loss()
+    # k layers per scan iteration: the layers after the first add shares of their backward working sets, on top of
+    # everything else (the compiler gives them no buffer the loss uses)
+    per_iteration = min(layers_per_iteration(r, platform), math.ceil(layers)) if r.scan_layers else 1
+    share_recompute, share_attention = UNROLL_SHARES[newer_tpu_compiler]
+    unrolled = (per_iteration - 1) * (share_recompute * recompute + share_attention * attention_grads)
     V, D = _split(r.padded_vocab, t), r.d_model
     # every loss: the output weights gathered whole (and a transposed copy) in the compute dtype, and their fp32
     # gradient before it is reduce-scattered back to the shards
@@ -446,17 +467,17 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     else:
         # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
         loss += tokens * D * 4
-    if platform == "tpu" and tpu_compiler_overlaps_loss():
+    if newer_tpu_compiler:
         # libtpu 0.0.52 and later: whatever the loss, its working set shares addresses with the weight gradients
         # and the gathered layer weights (counted apart), which are not live while it runs
-        activations = layers * saved + max(layer_bwd, loss - grads - gathered) + stash
+        activations = layers * saved + max(layer_bwd, loss - grads - gathered) + unrolled + stash
     elif loss_impl == "xla":
-        activations = layers * saved + max(layer_bwd, loss) + stash
+        activations = layers * saved + max(layer_bwd, loss) + unrolled + stash
     else:
         # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
         # their working set on top of the layers' (measured: its temporaries exceed its own buffer assignment by
         # that working set), so the two add up
-        activations = layers * saved + layer_bwd + loss + stash
+        activations = layers * saved + layer_bwd + loss + unrolled + stash
     return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
                           shape, code=ACCELERATOR_CODE_BYTES)
 

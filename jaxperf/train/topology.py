@@ -151,8 +151,8 @@ def _layers_line(layers: dict[str, Any]) -> str:
         return f"layers: {n}, unrolled in Python (model.scan_layers=false)"
     line = f"layers: {n} under a scan, {per} per iteration"
     if per > 1:
-        line += (f" (model.scan_unroll={per}: {per} layers' recomputed activations are live at once, and the "
-                 "estimate assumes 1; set model.scan_unroll=1 where memory matters)")
+        line += (f" (model.scan_unroll={per}: the backward holds parts of {per} layers' working sets at once, "
+                 "which the estimate counts; model.scan_unroll=1 needs the least memory)")
     return line
 
 
