@@ -302,14 +302,22 @@ def test_tpu_compiler_generation_from_libtpu_else_jax(monkeypatch):
     assert decide() is False
 
 
-def test_the_tpu_estimate_counts_layers_per_scan_iteration():
-    """k layers per scan iteration add k-1 shares of a layer's backward working set (UNROLL_SHARES); the TPU default,
-    one per iteration, and a Python loop over the layers add none."""
+@pytest.mark.parametrize("newer_compiler", [False, True])
+def test_the_tpu_estimate_counts_layers_per_scan_iteration(monkeypatch, newer_compiler):
+    """k layers per scan iteration add k-1 shares of a layer's backward working set (UNROLL_SHARES, per TPU compiler
+    generation); the TPU default, one per iteration, adds none, and scan_unroll means nothing to a Python loop."""
+    monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: newer_compiler)
+
     def activations(*overrides):
         cfg = get_config("gpt2-small", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", *overrides])
         return memory.estimate(cfg, 4, platform="tpu").activations
 
     one, two, four = activations("scan_unroll=1"), activations("scan_unroll=2"), activations("scan_unroll=4")
     assert one < two < four and four - one == pytest.approx(3 * (two - one), rel=1e-6)
-    assert activations() == one and activations("scan_layers=false") == one
+    assert activations() == one
     assert activations("scan_unroll=64") == activations("scan_unroll=12")  # no more than the 12 layers there are
+    assert activations("scan_layers=false", "scan_unroll=4") == activations("scan_layers=false")
+    # gpt2-small saves everything (remat none): an extra layer adds only its attention gradient buffers' share
+    _, share = memory.UNROLL_SHARES[newer_compiler]
+    r = get_config("gpt2-small").model
+    assert two - one == pytest.approx(share * 1 * r.n_heads * 1024 * 1024 * (4 + 2), rel=1e-6)
