@@ -8,8 +8,9 @@ attention and full logits run by name, three runs take the Pallas attention with
 llama-1b at 4 rows per chip) and with the fused Pallas loss, two run four layers per scan iteration, and one compiles
 the Llama-3.1-8B shapes of benchmarks/bench_tpu_compile.py with the implementations "auto" picks on TPU, so every
 main term of the estimate is exercised: remove the XLA attention's gradients, the loss's gathered output weights or
-the unrolled layers' shares from the estimate and a run below leaves the 10% band. CI runs it with both TPU compilers (jax 0.10's libtpu and jax 0.12's), which place the
-loss differently (`jaxperf.perf.memory.tpu_compiler_overlaps_loss`).
+the unrolled layers' shares from the estimate and a run below leaves the 10% band. CI runs it with both TPU
+compilers (jax 0.10's libtpu and jax 0.12's), which place the loss differently
+(`jaxperf.perf.memory.tpu_compiler_overlaps_loss`).
 
 All runs share one subprocess (libtpu loads once; two processes that open it at once collide on its lock file).
 """
