@@ -280,11 +280,13 @@ def test_trace_writes_files(tmp_path):
 
 
 def test_tpu_compiler_generation_from_libtpu_else_jax(monkeypatch):
-    """The estimate's loss placement follows the installed libtpu's version, else the libtpu the installed jax pins."""
+    """The estimate's loss placement follows the installed libtpu's version, else the libtpu the installed jax pins
+    for its "tpu" extra, else jax's own version."""
     assert memory._release("0.12.0.1") == (0, 12, 0, 1) and memory._release("0.13.0rc1") == (0, 13, 0)
     assert memory._release("0.0.52.dev20260101") == (0, 0, 52)
     decide = memory.tpu_compiler_overlaps_loss.__wrapped__
     versions = {"libtpu": "0.0.42.1"}
+    requires = ["jaxlib ==0.12.0", "libtpu==0.0.50.*; extra == 'tpu'", "requests; extra == 'tpu'"]
 
     def version(name):
         if name not in versions:
@@ -292,11 +294,19 @@ def test_tpu_compiler_generation_from_libtpu_else_jax(monkeypatch):
         return versions[name]
 
     monkeypatch.setattr(memory.importlib.metadata, "version", version)
+    monkeypatch.setattr(memory.importlib.metadata, "requires", lambda name: list(requires))
     monkeypatch.setattr(memory.jax, "__version__", "0.12.0.1")
-    assert decide() is False  # the installed libtpu wins over jax's version
+    assert decide() is False  # the installed libtpu wins over jax's pin and version
     versions["libtpu"] = "0.0.52"
     assert decide() is True
     del versions["libtpu"]
+    assert memory._pinned_libtpu() == "0.0.50"
+    assert decide() is False  # jax 0.12.0.1 pins libtpu 0.0.50.*, which keeps the loss apart
+    requires[1] = 'libtpu==0.0.52; extra == "tpu"'
+    assert decide() is True
+    requires[1] = "libtpu==0.0.52; extra == 'cuda12'"  # a pin under another extra is not the TPU compiler's
+    assert memory._pinned_libtpu() is None and decide() is False  # no pin: jax's version, 0.12.0.1
+    monkeypatch.setattr(memory.jax, "__version__", "0.12.1")
     assert decide() is True
     monkeypatch.setattr(memory.jax, "__version__", "0.10.2")
     assert decide() is False

@@ -34,8 +34,9 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
                XLA attention keeps [H, L, L] scores, fp32, and probabilities; the Pallas kernel q, k, v, its output
                and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
   + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
-    "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42, jax 0.10,
-    reports on top of the layers'). From libtpu 0.0.52 (jax 0.12) the TPU compiler gives the loss's working set the
+    "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42 and 0.0.50,
+    those jax 0.10.2 and 0.12.0.1 pin, reports on top of the layers'). From libtpu 0.0.52 the TPU compiler gives the
+    loss's working set the
     addresses the weight gradients and the gathered layer weights take later, so there it is the larger of the
     loss's working set and the layer's plus those two (`tpu_compiler_overlaps_loss`)
     loss       "xla" and "pallas": the output weights gathered whole in the compute dtype (and a transposed copy)
@@ -276,7 +277,8 @@ def _platform(mesh, platform: str | None) -> str:
 
 
 # The libtpu from which on the TPU compiler places the loss's working set where the weight gradients and the gathered
-# layer weights later go (measured with 0.0.52, the one jax 0.12 pins; 0.0.42, jax 0.10's, keeps them apart).
+# layer weights later go (measured with 0.0.52; 0.0.42.1 and 0.0.50.1, the ones jax 0.10.2 and 0.12.0.1 pin for their
+# "tpu" extra, keep them apart).
 LOSS_OVERLAP_LIBTPU = (0, 0, 52)
 
 
@@ -307,11 +309,27 @@ UNROLL_SHARES = {False: (0.4, 1.2), True: (0.3, 0.5)}
 def tpu_compiler_overlaps_loss() -> bool:
     """Whether the TPU compiler at hand reuses the loss's buffers for the weight gradients and the gathered layer
     weights: the installed libtpu's version decides, else (estimating without libtpu) the libtpu the installed jax
-    pins (jax 0.12 and later pin 0.0.52 or later)."""
+    pins for its "tpu" extra (jax 0.12.0.1 pins 0.0.50.*, which does not), else jax's version (a release after
+    0.12.0.1 is taken to pin 0.0.52 or later)."""
     try:
         return _release(importlib.metadata.version("libtpu")) >= LOSS_OVERLAP_LIBTPU
     except importlib.metadata.PackageNotFoundError:
-        return _release(jax.__version__) >= (0, 12)
+        pinned = _pinned_libtpu()
+        return _release(pinned) >= LOSS_OVERLAP_LIBTPU if pinned else _release(jax.__version__) > (0, 12, 0, 1)
+
+
+def _pinned_libtpu() -> str | None:
+    """The libtpu version the installed jax's "tpu" extra pins ("libtpu==0.0.50.*; extra == 'tpu'" -> "0.0.50"),
+    or None when its metadata names none."""
+    try:
+        requires = importlib.metadata.requires("jax") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for spec in requires:
+        m = re.match(r"""\s*libtpu\s*(?:\[[^\]]*\])?\s*(?:==|~=|>=)\s*([0-9][0-9.]*)""", spec)
+        if m and re.search(r"""extra\s*==\s*["']tpu["']""", spec):
+            return m.group(1).rstrip(".")
+    return None
 
 
 def _residuals(fn, *args) -> list:
