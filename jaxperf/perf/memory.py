@@ -81,8 +81,8 @@ docs/performance.md what k layers per iteration cost on TPU).
 
 tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
 bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
-host) for every preset on a v5p and a v6e slice (tiny on v5p only, docs/performance.md;
-arguments + temporaries + code, within 10%);
+host) for every preset on a v5p and a v6e slice (arguments + temporaries + code, within 10%, with the libtpu the
+installed jax pins; docs/performance.md has the figures per compiler);
 benchmarks/bench_memory_estimate.py prints the full-size figures (docs/performance.md has the table).
 """
 
