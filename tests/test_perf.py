@@ -331,3 +331,56 @@ def test_the_tpu_estimate_counts_layers_per_scan_iteration(monkeypatch, newer_co
     _, share = memory.UNROLL_SHARES[newer_compiler]
     r = get_config("gpt2-small").model
     assert two - one == pytest.approx(share * 1 * r.n_heads * 1024 * 1024 * (4 + 2), rel=1e-6)
+
+
+def test_unrolled_layers_keep_matmul_operands_and_recompute_elementwise_chains():
+    """With the layers in a Python loop XLA fuses elementwise values into the backward's ops instead of keeping them:
+    a residual made by elementwise ops counts as the values its chain starts from, unless a matmul reads it. Under a
+    scan every residual counts."""
+    w1 = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+    w2 = jax.ShapeDtypeStruct((256, 64), jnp.float32)
+    x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+
+    def mlp(w1, w2, x):
+        h = x @ w1
+        a = 0.5 * h * (1 + jnp.tanh(0.8 * (h + 0.04 * h ** 3)))  # tanh GELU: a matmul reads a, not its parts
+        return (a @ w2).sum()
+
+    shapes = lambda res: sorted(a.shape for a in res)  # noqa: E731
+    scanned, unrolled = memory._residuals(mlp, w1, w2, x), memory._residuals(mlp, w1, w2, x, fused=True)
+    assert shapes(unrolled) == sorted([(64, 256), (256, 64), (32, 64), (32, 256), (32, 256)])  # w1, w2, x, h, a
+    assert shapes(scanned).count((32, 256)) > 2  # the GELU's intermediates as well
+
+    # gpt2-small, one row of 1,024 positions: unrolled, the two norms' fp32 intermediates (three [L, D] each) and the
+    # tanh GELU's four [L, 4D] bf16 intermediates are not kept; the two bf16 [L, D] values the norms start from are
+    cfg = get_config("gpt2-small", ["attention_impl=xla"]).model.resolved()
+    L, D = 1024, cfg.d_model
+    plain = memory._layer_bytes_per_row(cfg, L, "none")
+    fused = memory._layer_bytes_per_row(cfg, L, "none", True)
+    assert plain - fused == L * (2 * 3 * D * 4 + 4 * 4 * D * 2 - 2 * D * 2)
+
+    def estimate(*overrides):
+        c = get_config("gpt2-small", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", *overrides])
+        return memory.estimate(c, 4, platform="tpu").activations
+
+    assert estimate("scan_layers=false") == pytest.approx(estimate() - cfg.n_layers * (plain - fused), rel=1e-6)
+    # FSDP gathers a Python loop's layers one at a time too
+    gathered = [memory.estimate(get_config("gpt2-small", ["batch_size=4", *o]), 4, platform="tpu").gathered
+                for o in ([], ["scan_layers=false"])]
+    assert gathered[0] > 0 and gathered[1] == gathered[0]
+
+
+def test_unrolled_layers_free_their_saved_arrays_for_their_gradients():
+    """In a Python loop a layer's backward writes its gradients where its own saved arrays were (llama-1b, save_dots:
+    the layer's backward working set exceeds the loss's, so it is the one reduced)."""
+    def parts(*overrides):
+        cfg = get_config("llama-1b", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", *overrides])
+        r = cfg.model.resolved()
+        return memory.estimate(cfg, 4, platform="tpu").activations, r
+
+    unrolled, r = parts("scan_layers=false")
+    L = r.max_seq_len
+    saved = memory._layer_bytes_per_row(r, L, "save_dots", True)
+    recompute = memory._layer_bytes_per_row(r, L, "none", True) - saved
+    attention_grads = r.n_heads * L * L * (8 + 2)
+    assert unrolled == pytest.approx(r.n_layers * saved + recompute + attention_grads - saved, rel=1e-6)

@@ -57,6 +57,12 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
     recomputed activations and of the XLA attention's gradient buffers, measured per TPU compiler (UNROLL_SHARES):
     the backward of an iteration slices k layers' saved arrays out of the scan's stack at once. A Python loop over
     the layers (`scan_layers=false`) is modelled as one layer per iteration.
+  With a Python loop, XLA sees the whole program and recomputes elementwise values in the backward's fusions: a
+  residual made by elementwise ops (a norm's fp32 intermediates, a tanh GELU's) counts as the values its chain
+  starts from, unless a matmul reads it (`_residuals(fused=True)`), in `saved` and in `layer` alike; a layer's
+  saved arrays are freed as its backward reads them, so `layer` counts only what exceeds them; and FSDP gathers the
+  unstacked layers one at a time, as it does the stacked ones. The program's code grows by 10-20 MiB per layer on
+  TPU there (measured), which the constant below leaves out.
 
 Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
 MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
@@ -219,6 +225,7 @@ def _resolve_mesh(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None) ->
 
 
 @functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=16)
 def _param_leaves(model_cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple | None], ...]:
     """(shape, dtype, logical axes) of every parameter of the built-in GPT, traced abstractly (no memory used)."""
     with _compat.no_eager_sharding():
@@ -332,33 +339,78 @@ def _pinned_libtpu() -> str | None:
     return None
 
 
-def _residuals(fn, *args) -> list:
+# Primitives XLA fuses into the ops that read their results (elementwise math, casts, selects and layout changes):
+# in a program whose layers are unrolled, the backward recomputes such a value inside the fusion that consumes it
+# rather than keeping it from the forward pass.
+_FUSIBLE = frozenset({
+    "abs", "add", "and", "broadcast_in_dim", "cbrt", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div",
+    "eq", "erf", "erf_inv", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape", "rsqrt", "select_n", "sign",
+    "sin", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tanh", "transpose",
+})
+
+
+def _fusible(eqn) -> bool:
+    """Whether `eqn` is elementwise or a layout change (a nested jit counts when everything inside it does)."""
+    if eqn.primitive.name in _FUSIBLE:
+        return True
+    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    inner = getattr(inner, "jaxpr", inner)
+    return inner is not None and hasattr(inner, "eqns") and all(_fusible(e) for e in inner.eqns)
+
+
+def _residuals(fn, *args, fused: bool = False) -> list:
     """The arrays `jax.vjp(fn, *args)` keeps for the backward, as XLA ends up holding them: identical computations
     merged (XLA's CSE), boolean masks dropped (iota comparisons XLA recomputes inside the fusion that uses them), and
     an `exp` of another residual of the same shape dropped (the softmax numerator: XLA recomputes it from the saved
-    scores in the backward fusion, so one fp32 copy of the scores is kept, not two)."""
+    scores in the backward fusion, so one fp32 copy of the scores is kept, not two).
+
+    `fused`: the layers are unrolled into one program (a Python loop), where XLA recomputes elementwise values in the
+    backward's fusions. A residual made by elementwise ops (`_FUSIBLE`) is then replaced by the values its chain of
+    such ops starts from (a matmul's or a reduction's output, the layer's input), unless a matmul reads it: XLA keeps
+    matmul operands (measured, TPU compiler: a norm's fp32 intermediates and a tanh GELU's are not kept, the scores,
+    the MLP's pre-activation and the operands of the matmuls are). Under a scan the saved arrays are the loop's
+    outputs, fixed before XLA sees them, so a scanned layer keeps every residual."""
     leaves, tree = jax.tree.flatten(args)
     closed, out_shape = jax.make_jaxpr(lambda *xs: jax.vjp(lambda *a: fn(*jax.tree.unflatten(tree, a)), *xs),
                                        return_shape=True)(*leaves)
     jaxpr = closed.jaxpr
     n_res = len(jax.tree.leaves(out_shape[1]))
-    canon, seen, producer = {}, {}, {}
+    canon, seen, producer, made_by, matmul_operands = {}, {}, {}, {}, set()
     for e in jaxpr.eqns:
         ins = tuple(("literal", str(v)) if isinstance(v, jex_core.Literal) else id(canon.get(v, v)) for v in e.invars)
         key = (e.primitive.name, repr(sorted((k, repr(p)) for k, p in e.params.items())), ins)
+        if e.primitive.name == "dot_general":
+            matmul_operands.update(i for i in ins if not isinstance(i, tuple))
         if len(e.outvars) == 1:
             if key in seen:
                 canon[e.outvars[0]] = seen[key]
-            else:
-                seen[key] = e.outvars[0]
-                producer[e.outvars[0]] = e.primitive.name
+                continue
+            seen[key] = e.outvars[0]
+            producer[e.outvars[0]] = e.primitive.name
+        made_by.update((o, e) for o in e.outvars)
+
+    def recomputed(c) -> bool:
+        return fused and c in made_by and _fusible(made_by[c]) and id(c) not in matmul_operands
+
+    def starts(c, out: dict, visited: set) -> None:  # the values a fusible chain ending in c starts from
+        if id(c) in visited:
+            return
+        visited.add(id(c))
+        if not recomputed(c):
+            out[id(c)] = c
+            return
+        for v in made_by[c].invars:
+            if not isinstance(v, jex_core.Literal):
+                starts(canon.get(v, v), out, visited)
+
     kept = {}
     for v in jaxpr.outvars[len(jaxpr.outvars) - n_res:]:
         if isinstance(v, jex_core.Literal):
             continue
-        c = canon.get(v, v)
-        if c.aval.dtype != jnp.bool_:
-            kept[id(c)] = c
+        found = {}
+        starts(canon.get(v, v), found, set())
+        kept.update((k, c) for k, c in found.items() if c.aval.dtype != jnp.bool_)
     avals = [(c.aval, producer.get(c)) for c in kept.values()]
     shapes = [(a.shape, a.dtype) for a, _ in avals]
     return [a for a, prim in avals if not (prim == "exp" and shapes.count((a.shape, a.dtype)) > 1)]
@@ -371,10 +423,10 @@ def _per_device_model(r: ModelConfig, t: int) -> ModelConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str) -> float:
+def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bool = False) -> float:
     """Bytes one layer keeps for its backward per batch row of `seq` positions under `remat` (the arrays of
     `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
-    weights, gathered and counted apart, drop out)."""
+    weights, gathered and counted apart, drop out); `fused`: the layers are unrolled (`_residuals`)."""
     cfg = dataclasses.replace(model_cfg, remat=remat)
     with _compat.no_eager_sharding():
         block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
@@ -389,7 +441,8 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str) -> float:
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
         pos = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
-        sizes.append(sum(math.prod(a.shape) * a.dtype.itemsize for a in _residuals(layer, state, x, pos)))
+        sizes.append(sum(math.prod(a.shape) * a.dtype.itemsize
+                         for a in _residuals(layer, state, x, pos, fused=fused)))
     return float(sizes[1] - sizes[0])
 
 
@@ -414,11 +467,14 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     params = 0.0
     layer_full = 0.0  # one layer's weights, whole (what FSDP gathers)
     for leaf_shape, dtype, axes in _param_leaves(cfg.model):
-        nbytes = math.prod(leaf_shape) * jnp.dtype(dtype).itemsize
-        params += nbytes / _shard_factor(leaf_shape, axes, rules.params, shape)
+        params += math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params,
+                                                                                    shape)
+    # a Python loop's layers are gathered one at a time as well: their weights, read off the stacked model
+    stacked = cfg.model if cfg.model.scan_layers else dataclasses.replace(cfg.model, scan_layers=True)
+    for leaf_shape, dtype, axes in _param_leaves(stacked):
         if axes and axes[0] == "layers":
-            layer_full += nbytes / leaf_shape[0] / _shard_factor(leaf_shape[1:], axes[1:], rules.params,
-                                                                  {**shape, "fsdp": 1})
+            layer_full += (math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
+                           / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1}))
     dp, t, stages, ring = shape["data"] * shape["fsdp"], shape["tensor"], shape["stage"], shape["seq"]
     L = cfg.train_seq_len
     positions = L / ring  # a device's share of the sequence
@@ -443,9 +499,11 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
                               cfg, shape)
     local = _per_device_model(r, t)
     seq = int(positions)
-    saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat)
+    unrolled_layers = not r.scan_layers  # a Python loop: XLA recomputes elementwise values in the backward
+    saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers)
     # one layer's backward: what it recomputes beyond what the policy saved ...
-    recompute = micro_rows * (_layer_bytes_per_row(local, seq, "none") - _layer_bytes_per_row(local, seq, r.remat))
+    recompute = micro_rows * (_layer_bytes_per_row(local, seq, "none", unrolled_layers)
+                              - _layer_bytes_per_row(local, seq, r.remat, unrolled_layers))
     attention_grads = 0.0
     if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
         # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
@@ -461,6 +519,10 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         per_score = {"none": 4 + s, "save_dots": 8 + s}.get(r.remat, 4)
         attention_grads = micro_rows * local.n_heads * seq * seq * per_score
     layer_bwd = recompute + attention_grads
+    if unrolled_layers:
+        # unstacked, a layer's saved arrays are freed as its backward reads them, and its gradients take their
+        # buffers (a scan frees its stacked buffer only whole)
+        layer_bwd = max(0.0, layer_bwd - saved)
     newer_tpu_compiler = platform == "tpu" and tpu_compiler_overlaps_loss()
     # k layers per scan iteration: the layers after the first add shares of their backward working sets, on top of
     # everything else (the compiler gives them no buffer the loss uses)
