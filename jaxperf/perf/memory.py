@@ -354,6 +354,8 @@ def _fusible(eqn) -> bool:
     """Whether `eqn` is elementwise or a layout change (a nested jit counts when everything inside it does)."""
     if eqn.primitive.name in _FUSIBLE:
         return True
+    if eqn.primitive.name not in ("pjit", "jit", "closed_call", "custom_jvp_call", "checkpoint", "remat"):
+        return False
     inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     inner = getattr(inner, "jaxpr", inner)
     return inner is not None and hasattr(inner, "eqns") and all(_fusible(e) for e in inner.eqns)
