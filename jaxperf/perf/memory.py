@@ -225,7 +225,6 @@ def _resolve_mesh(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None) ->
 
 
 @functools.lru_cache(maxsize=32)
-@functools.lru_cache(maxsize=16)
 def _param_leaves(model_cfg: ModelConfig) -> tuple[tuple[tuple[int, ...], str, tuple | None], ...]:
     """(shape, dtype, logical axes) of every parameter of the built-in GPT, traced abstractly (no memory used)."""
     with _compat.no_eager_sharding():
