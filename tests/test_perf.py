@@ -351,13 +351,16 @@ def test_unrolled_layers_keep_matmul_operands_and_recompute_elementwise_chains()
     assert shapes(unrolled) == sorted([(64, 256), (256, 64), (32, 64), (32, 256), (32, 256)])  # w1, w2, x, h, a
     assert shapes(scanned).count((32, 256)) > 2  # the GELU's intermediates as well
 
-    # gpt2-small, one row of 1,024 positions: unrolled, the two norms' fp32 intermediates (three [L, D] each) and the
-    # tanh GELU's four [L, 4D] bf16 intermediates are not kept; the two bf16 [L, D] values the norms start from are
+    # gpt2-small, one row of 1,024 positions, unrolled: the fp32 scores and bf16 probabilities, q, k, v, the five
+    # bf16 [L, D] values the norms and projections start from or read (the layer's input, the two normed inputs, the
+    # attention's output, the residual stream after it), the MLP's pre-activation and activation, and the fp32
+    # statistics of the two norms and the softmax; not the norms' fp32 intermediates nor the GELU's
     cfg = get_config("gpt2-small", ["attention_impl=xla"]).model.resolved()
-    L, D = 1024, cfg.d_model
+    L, D, H = 1024, cfg.d_model, cfg.n_heads
     plain = memory._layer_bytes_per_row(cfg, L, "none")
     fused = memory._layer_bytes_per_row(cfg, L, "none", True)
-    assert plain - fused == L * (2 * 3 * D * 4 + 4 * 4 * D * 2 - 2 * D * 2)
+    assert fused == L * (H * L * (4 + 2) + 3 * D * 2 + 5 * D * 2 + 2 * 4 * D * 2) + 2 * 2 * L * 4 + 2 * H * L * 4
+    assert plain > fused + L * 2 * 3 * D * 4  # at least the norms' fp32 intermediates more
 
     def estimate(*overrides):
         c = get_config("gpt2-small", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", *overrides])

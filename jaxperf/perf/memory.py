@@ -344,8 +344,8 @@ def _pinned_libtpu() -> str | None:
 _FUSIBLE = frozenset({
     "abs", "add", "and", "broadcast_in_dim", "cbrt", "clamp", "convert_element_type", "copy", "copy_p", "cos", "div",
     "eq", "erf", "erf_inv", "exp", "exp2", "expand_dims", "ge", "gt", "integer_pow", "iota", "le", "log", "log1p",
-    "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "or", "pow", "reshape", "rsqrt", "select_n", "sign",
-    "sin", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tanh", "transpose",
+    "logistic", "lt", "max", "min", "mul", "ne", "neg", "not", "one_minus_square", "or", "pow", "reshape", "rsqrt",
+    "select_n", "sign", "sin", "sqrt", "square", "squeeze", "stop_gradient", "sub", "tanh", "transpose",
 })
 
 
