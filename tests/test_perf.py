@@ -376,12 +376,8 @@ def test_unrolled_layers_keep_matmul_operands_and_recompute_elementwise_chains()
 def test_unrolled_layers_free_their_saved_arrays_for_their_gradients():
     """In a Python loop a layer's backward writes its gradients where its own saved arrays were (llama-1b, save_dots:
     the layer's backward working set exceeds the loss's, so it is the one reduced)."""
-    def parts(*overrides):
-        cfg = get_config("llama-1b", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", *overrides])
-        r = cfg.model.resolved()
-        return memory.estimate(cfg, 4, platform="tpu").activations, r
-
-    unrolled, r = parts("scan_layers=false")
+    cfg = get_config("llama-1b", ["batch_size=4", "attention_impl=xla", "loss_impl=xla", "scan_layers=false"])
+    unrolled, r = memory.estimate(cfg, 4, platform="tpu").activations, cfg.model.resolved()
     L = r.max_seq_len
     saved = memory._layer_bytes_per_row(r, L, "save_dots", True)
     recompute = memory._layer_bytes_per_row(r, L, "none", True) - saved

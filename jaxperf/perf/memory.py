@@ -36,9 +36,8 @@ TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU com
   + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
     "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42 and 0.0.50,
     those jax 0.10.2 and 0.12.0.1 pin, reports on top of the layers'). From libtpu 0.0.52 the TPU compiler gives the
-    loss's working set the
-    addresses the weight gradients and the gathered layer weights take later, so there it is the larger of the
-    loss's working set and the layer's plus those two (`tpu_compiler_overlaps_loss`)
+    loss's working set the addresses the weight gradients and the gathered layer weights take later, so there it is
+    the larger of the loss's working set and the layer's plus those two (`tpu_compiler_overlaps_loss`)
     loss       "xla" and "pallas": the output weights gathered whole in the compute dtype (and a transposed copy)
                with their fp32 gradient, D x V x (4 + 2s), plus for "xla" the [tokens, V] logits in the compute
                dtype (XLA fuses the fp32 softmax and its gradient into the ops that read them) and for "pallas" the
@@ -377,7 +376,7 @@ def _residuals(fn, *args, fused: bool = False) -> list:
                                        return_shape=True)(*leaves)
     jaxpr = closed.jaxpr
     n_res = len(jax.tree.leaves(out_shape[1]))
-    canon, seen, producer, made_by, matmul_operands = {}, {}, {}, {}, set()
+    canon, seen, made_by, matmul_operands = {}, {}, {}, set()
     for e in jaxpr.eqns:
         ins = tuple(("literal", str(v)) if isinstance(v, jex_core.Literal) else id(canon.get(v, v)) for v in e.invars)
         key = (e.primitive.name, repr(sorted((k, repr(p)) for k, p in e.params.items())), ins)
@@ -388,7 +387,6 @@ def _residuals(fn, *args, fused: bool = False) -> list:
                 canon[e.outvars[0]] = seen[key]
                 continue
             seen[key] = e.outvars[0]
-            producer[e.outvars[0]] = e.primitive.name
         made_by.update((o, e) for o in e.outvars)
 
     def recomputed(c) -> bool:
@@ -412,7 +410,7 @@ def _residuals(fn, *args, fused: bool = False) -> list:
         found = {}
         starts(canon.get(v, v), found, set())
         kept.update((k, c) for k, c in found.items() if c.aval.dtype != jnp.bool_)
-    avals = [(c.aval, producer.get(c)) for c in kept.values()]
+    avals = [(c.aval, made_by[c].primitive.name if c in made_by else None) for c in kept.values()]
     shapes = [(a.shape, a.dtype) for a, _ in avals]
     return [a for a, prim in avals if not (prim == "exp" and shapes.count((a.shape, a.dtype)) > 1)]
 
