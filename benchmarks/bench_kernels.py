@@ -4,7 +4,8 @@
     python benchmarks/bench_kernels.py --tiny          # small sizes; on CPU the kernels run in interpret mode
     python benchmarks/bench_kernels.py --ops attention --seq 1024 2048 4096 8192 --head-dim 64 128
 
-Figures: attention and cross-entropy in TFLOP/s of model FLOPs (attention forward 4*B*H*L*S*Dh, halved when causal,
+Attention also times `auto`, the implementation the model picks on this platform, so its choice can be checked
+against the fastest at each shape. Figures: attention and cross-entropy in TFLOP/s of model FLOPs (attention forward 4*B*H*L*S*Dh, halved when causal,
 backward 2.5x the forward; cross-entropy forward 2*N*D*V, backward 4*N*D*V), norms in GB/s of memory traffic (forward:
 read x, write y; backward: read x and dy, write dx). Each is given as % of the device's peak (jaxperf.perf.hardware)
 where one is known, and as a ratio to the XLA reference and, for attention on GPUs, to cuDNN through
@@ -43,24 +44,48 @@ def _temp_bytes(fn, args) -> int | None:
         return None
 
 
-def _time_passes(op, impls, args, loss_of, amounts, unit, iters, dtype, extra, *, peak, peak_source, memory=False):
-    """Forward, backward (grad of a scalar) and both, for every impl, after checking each against "xla"."""
+PASSES = ("forward", "backward", "both")
+
+
+def _first_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _time_passes(op, impls, args, loss_of, amounts, unit, iters, dtype, extra, *, peak, peak_source, memory=False,
+                 passes=PASSES):
+    """Forward, backward (grad of a scalar) and both, for every impl, after checking each against "xla" (the first
+    impl that runs is the reference when "xla" cannot, e.g. out of memory at long sequences). An impl that fails to
+    compile or run is recorded with the error and the others go on."""
     argnums = tuple(range(len(args)))
-    ref = jax.jit(impls["xla"])(*args)
     rows = []
+    ref = None
     for impl, fn in impls.items():
         base = dict(op=op, impl=impl, dtype=dtype, peak_source=peak_source, **extra)
-        if impl != "xla" and not _close(jax.jit(fn)(*args), ref, dtype):
+        try:
+            out = jax.block_until_ready(jax.jit(fn)(*args))
+        except Exception as e:  # noqa: BLE001 - out of memory, an unsupported shape: recorded, the others go on
+            rows.append(record(NAME, f"{op}/{impl}", None, unit, error=_first_line(e), **base))
+            continue
+        if ref is None:
+            ref = out
+        elif not _close(out, ref, dtype):
             rows.append(record(NAME, f"{op}/{impl}", None, unit, error="output does not match the reference", **base))
             continue
+        del out
         scalar = lambda *a, fn=fn: loss_of(fn(*a))  # noqa: E731
-        passes = (("forward", jax.jit(fn), amounts["forward"]),
-                  ("backward", jax.jit(jax.grad(scalar, argnums=argnums)), amounts["backward"]),
-                  ("both", jax.jit(jax.value_and_grad(scalar, argnums=argnums)),
-                   amounts["forward"] + amounts["backward"]))
+        fns = {"forward": (jax.jit(fn), amounts["forward"]),
+               "backward": (jax.jit(jax.grad(scalar, argnums=argnums)), amounts["backward"]),
+               "both": (jax.jit(jax.value_and_grad(scalar, argnums=argnums)), amounts["forward"] + amounts["backward"])}
         mem = _temp_bytes(jax.value_and_grad(scalar, argnums=argnums), args) if memory else None
-        for pass_name, f, amount in passes:
-            t = benchmark(f, *args, warmup=2, iters=iters)
+        for pass_name in passes:
+            f, amount = fns[pass_name]
+            try:
+                t = benchmark(f, *args, warmup=2, iters=iters)
+            except Exception as e:  # noqa: BLE001
+                rows.append(record(NAME, f"{op}/{impl}/{pass_name}", None, unit, error=_first_line(e),
+                                   pass_name=pass_name, **base))
+                continue
             per_s = amount / t.median_s
             scale = 1e12 if unit == "TFLOP/s" else 1e9
             rec = record(NAME, f"{op}/{impl}/{pass_name}", per_s / scale, unit, value_per_s=per_s, peak_per_s=peak,
@@ -79,14 +104,18 @@ def _time_passes(op, impls, args, loss_of, amounts, unit, iters, dtype, extra, *
     return rows
 
 
-def bench_attention(seqs, head_dims, dtype, iters, batch, heads):
-    from jaxperf.models.attention import xla_attention
+def bench_attention(seqs, head_dims, dtype, iters, batch, heads, tokens=None, passes=PASSES):
+    """Causal attention, q/k/v [batch, L, heads, Dh]; with `tokens`, batch = max(1, tokens // L) at each length (the
+    same work per token whatever the length, and room for the [L, L] scores of the XLA path)."""
+    from jaxperf.models.attention import attention, xla_attention
     from pallas_kernels.flash_attention import flash_attention
 
     peak, source = peak_flops(dtype)
     out = []
     for L in seqs:
+        batch_L = max(1, tokens // L) if tokens else batch
         for Dh in head_dims:
+            batch = batch_L
             ks = jax.random.split(jax.random.key(0), 3)
             args = [jax.random.normal(k, (batch, L, heads, Dh), dtype) for k in ks]
             impls = {"xla": lambda q, k, v: xla_attention(q, k, v, causal=True),
@@ -94,11 +123,14 @@ def bench_attention(seqs, head_dims, dtype, iters, batch, heads):
             if jax.default_backend() == "gpu" and dtype != "float32":
                 impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                               implementation="cudnn")
+            # What the model runs with model.attention_impl=auto on this platform (jaxperf.models.platform).
+            impls["auto"] = lambda q, k, v: attention(q, k, v, causal=True, impl="auto")
             fwd = 4 * batch * heads * L * L * Dh / 2
             out += _time_passes("attention", impls, args, lambda o: jnp.sum(o.astype(jnp.float32)),
                                 {"forward": fwd, "backward": 2.5 * fwd}, "TFLOP/s", iters, dtype,
                                 dict(batch=batch, heads=heads, seq=L, head_dim=Dh, causal=True),
-                                peak=peak, peak_source=source)
+                                peak=peak, peak_source=source, passes=passes)
+            del args
     return out
 
 
@@ -144,6 +176,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--head-dim", type=int, nargs="*", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="attention: batch = tokens // seq at each length (default: a fixed batch)")
+    p.add_argument("--heads", type=int, default=None, help="attention: query heads (default 16, 2 when small)")
+    p.add_argument("--passes", nargs="*", choices=PASSES, default=list(PASSES))
     a = p.parse_args(argv)
     cpu = jax.default_backend() == "cpu"
     dtype = a.dtype or ("float32" if a.tiny or cpu else "bfloat16")
@@ -153,7 +189,8 @@ def main(argv=None) -> list[dict]:
     if "attention" in a.ops:
         results += bench_attention(a.seq or ([128] if a.tiny else [256] if cpu else [1024, 2048, 4096, 8192]),
                                    a.head_dim or ([64] if small else [64, 128]), dtype, iters,
-                                   batch=1 if small else 4, heads=2 if small else 16)
+                                   batch=1 if small else 4, heads=a.heads or (2 if small else 16), tokens=a.tokens,
+                                   passes=tuple(a.passes))
     if "rms_norm" in a.ops:
         results += bench_norm(256 if a.tiny else 2048 if cpu else 16384, [256] if small else [4096, 8192], dtype,
                               iters)

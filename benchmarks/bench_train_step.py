@@ -5,7 +5,14 @@
 
 Random tokens stand in for data (the step's cost does not depend on them). Compile time is reported apart from run
 time; run time is the median of `--steps` timed steps after `--warmup` untimed ones, each timed to completion with
-block_until_ready. MFU = tokens/s x FLOPs/token (jaxperf.perf.flops) / (devices x peak FLOP/s per device).
+block_until_ready. MFU = tokens/s x FLOPs/token (jaxperf.perf.flops) / (devices x peak FLOP/s per device); the record
+also carries nanoGPT's own count, 6 N + 12 n_layers L D per token with N the parameters less the position table, so a
+figure can be set beside nanoGPT's. On devices that keep memory counters (GPUs, TPUs) `peak_bytes` is the runtime's
+peak of the first device over compile and steps; `compiled_bytes` is XLA's accounting of the step.
+
+`--analyze` adds what jaxperf predicts before running: the memory estimate (jaxperf.perf.memory) against the
+measured peak, and the step time predicted from the compiled program (jaxperf.perf.predict: compute, HBM and
+collective times at the device's peaks) against the measured median.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import optax
 from jaxperf.config import get_config, to_dict, validate
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
-from jaxperf.perf.hardware import peak_flops
+from jaxperf.perf.hardware import chip_for, peak_flops
 from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.memory import compiled_memory, estimate, live_device_memory
+from jaxperf.perf.predict import predict_step
 from jaxperf.step.task import build_task, step_microbatches
 
 
@@ -35,6 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--analyze", action="store_true",
+                        help="add the memory estimate and the step time predicted from the compiled program")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
@@ -73,6 +84,11 @@ def main(argv: list[str] | None = None) -> dict:
     median = statistics.median(times)
     tokens_per_s = B * L / median
     fpt = flops_per_token(cfg.model, L)
+    m = cfg.model.resolved()
+    pos_params = m.max_seq_len * m.d_model if m.position == "learned" else 0
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    fpt_nanogpt = 6 * (n_params - pos_params) + 12 * m.n_layers * L * m.d_model
+    live = live_device_memory(mesh.devices.flat[0]) or {}
     peak, peak_source = peak_flops(cfg.model.dtype)
     n = mesh.devices.size
     result = {
@@ -98,11 +114,42 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_flops_per_device": peak,
         "peak_source": peak_source,
         "mfu": tokens_per_s * fpt / (n * peak),
+        "n_params": n_params,
+        "flops_per_token_nanogpt": fpt_nanogpt,
+        "mfu_nanogpt_count": tokens_per_s * fpt_nanogpt / (n * peak),
+        "peak_bytes": live.get("peak_bytes_in_use"),
+        "bytes_limit": live.get("bytes_limit"),
+        "compiled_bytes": compiled_memory(compiled),
         "loss_first_last": [first_loss, last_loss],
         "config": to_dict(cfg),
     }
+    if args.analyze:
+        result["analysis"] = analyze(cfg, mesh, compiled, median, live.get("peak_bytes_in_use"))
     print(json.dumps(result))
     return result
+
+
+def analyze(cfg, mesh, compiled, measured_step_s: float, peak_bytes: int | None) -> dict:
+    """The memory estimate and the predicted step beside what was measured (ratios > 1: the model over-predicts)."""
+    n = mesh.devices.size
+    B, L = cfg.batch_size, cfg.train_seq_len
+    est = estimate(cfg, mesh)
+    mem = compiled_memory(compiled)
+    compiled_peak = mem["peak"]
+    compiled_bound = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    pred = predict_step(compiled.as_text(), model_flops=flops_per_token(cfg.model, L) * B * L / n,
+                        hardware_flops=flops_per_token(cfg.model, L, hardware=True) * B * L / n,
+                        chip=chip_for(mesh.devices.flat[0]), dtype=cfg.model.dtype)
+    out = {"estimate_bytes": int(est.total), "estimate_parts": est.components(),
+           "estimate_over_compiled": est.total / compiled_peak if compiled_peak else None,
+           "estimate_over_compiled_bound": est.total / compiled_bound if compiled_bound else None,
+           "estimate_over_peak": est.total / peak_bytes if peak_bytes else None,
+           "prediction": {k: v for k, v in pred.items() if k not in ("loops", "top_hbm_ops")},
+           "top_hbm_ops": pred.get("top_hbm_ops")}
+    if pred.get("step_s"):
+        out["predicted_over_measured"] = pred["step_s"] / measured_step_s
+        out["predicted_no_overlap_over_measured"] = pred["step_s_no_overlap"] / measured_step_s
+    return out
 
 
 if __name__ == "__main__":

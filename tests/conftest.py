@@ -25,6 +25,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
-    n = len(jax.devices())
+    # On a GPU machine (JAX_PLATFORMS=cuda,cpu, for tests/test_gpu.py) the CPU devices are the second backend.
+    n = len(jax.devices("cpu"))
     assert n == 8, f"tests expect 8 simulated CPU devices, found {n}: was JAX initialised before conftest?"
     yield
