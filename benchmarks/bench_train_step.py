@@ -20,8 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 import flax
@@ -36,6 +38,7 @@ from jaxperf.perf.hardware import chip_for, peak_flops
 from jaxperf.perf.hostmem import reexec_with_huge_pages
 from jaxperf.perf.memory import compiled_memory, estimate, live_device_memory
 from jaxperf.perf.predict import predict_step
+from jaxperf.perf.profile import device_time_by_op, trace
 from jaxperf.step.task import build_task, step_microbatches
 
 
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="trace this many more steps and report device time per XLA op (jaxperf.perf.profile)")
     parser.add_argument("--analyze", action="store_true",
                         help="add the memory estimate and the step time predicted from the compiled program")
     parser.add_argument("overrides", nargs="*")
@@ -123,6 +128,24 @@ def main(argv: list[str] | None = None) -> dict:
         "loss_first_last": [first_loss, last_loss],
         "config": to_dict(cfg),
     }
+    if args.profile_steps > 0:
+        with tempfile.TemporaryDirectory() as logdir:
+            with trace(logdir):
+                for _ in range(args.profile_steps):
+                    state, metrics = compiled(state, batch)
+                jax.block_until_ready((state, metrics))
+            result["profile"] = device_time_by_op(logdir, steps=args.profile_steps)
+        hlo = {}
+        for line in compiled.as_text().splitlines():
+            head = line.strip().removeprefix("ROOT ")
+            if head.startswith("%"):
+                hlo.setdefault(head[1:].split(" ", 1)[0], head)
+        for row in result["profile"]["ops"]:  # what each op is: its result, kind and source op, from the program
+            line = hlo.get(row[0], "")
+            kind = re.search(r"kind=(\w+)", line)
+            op_name = re.search(r'op_name="([^"]*)"', line)
+            row.append(" ".join(x for x in (line.split("(", 1)[0][:120], kind and kind.group(1),
+                                            op_name and op_name.group(1)[-160:]) if x))
     if args.analyze:
         result["analysis"] = analyze(cfg, mesh, compiled, median, live.get("peak_bytes_in_use"))
     print(json.dumps(result))

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import fnmatch
 import importlib.metadata
 import importlib.util
 import json
@@ -74,11 +75,12 @@ def _py(script: str, *args: str) -> list[str]:
     return [str(BENCH / script), *args]
 
 
-def _train_job(stage, name, preset, overrides, *, dry, timeout_s, analyze=False, flags=None, steps=8):
+def _train_job(stage, name, preset, overrides, *, dry, timeout_s, analyze=False, flags=None, steps=8, extra=()):
     tiny = ["model.n_layers=2", "batch_size=4", "seq_len=64"] if dry else []
     args = ["--preset", "tiny" if dry else preset, "--steps", "2" if dry else str(steps), "--warmup", "1" if dry else "2"]
     if analyze:
         args.append("--analyze")
+    args += list(extra)
     env = {"XLA_FLAGS": flags} if flags else {}
     return Job(stage, name, _py("bench_train_step.py", *args, *overrides, *tiny), timeout_s, env,
                {"preset": preset, "overrides": list(overrides), "xla_flags": flags or ""})
@@ -102,20 +104,29 @@ def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path) -> list
                     ("llama-1b_b8", "llama-1b", ["batch_size=8"]),
                     ("gpt2-small_b16", "gpt2-small", ["batch_size=16"]),
                     ("llama-1b_b16_full", "llama-1b", ["batch_size=16", "model.remat=full"])]
-            if full:
-                runs += [("gpt2-small_b32_pallas", "gpt2-small", ["batch_size=32", "model.attention_impl=pallas"]),
-                         ("gpt2-small_b32_xla", "gpt2-small", ["batch_size=32", "model.attention_impl=xla"]),
-                         ("gpt2-small_b32_fullloss", "gpt2-small", ["batch_size=32", "model.loss_impl=xla"]),
+            if full:  # what a MaxText or Levanter user would try on a GPU, one change at a time, then together
+                runs += [("gpt2-small_b32_fullloss", "gpt2-small", ["batch_size=32", "model.loss_impl=xla"]),
                          ("gpt2-small_b32_unrolled", "gpt2-small", ["batch_size=32", "model.scan_layers=false"]),
+                         ("gpt2-small_b32_pallas", "gpt2-small", ["batch_size=32", "model.attention_impl=pallas"]),
                          ("gpt2-small_b64", "gpt2-small", ["batch_size=64"]),
-                         ("llama-1b_b8_pallas", "llama-1b", ["batch_size=8", "model.attention_impl=pallas"])]
+                         ("llama-1b_b8_fullloss", "llama-1b", ["batch_size=8", "model.loss_impl=xla"]),
+                         ("llama-1b_b8_noremat", "llama-1b", ["batch_size=8", "model.remat=none"]),
+                         ("llama-1b_b16", "llama-1b", ["batch_size=16"])]
             for name, preset, overrides in runs[:1] if dry else runs:
                 jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150))
             if full:
-                for name, preset, overrides in (("gpt2-small_b32_maxtext_flags", "gpt2-small", ["batch_size=32"]),
-                                                ("llama-1b_b8_maxtext_flags", "llama-1b", ["batch_size=8"])):
+                for name, preset, overrides in (
+                        ("gpt2-small_b32_maxtext_flags", "gpt2-small", ["batch_size=32"]),
+                        ("gpt2-small_b32_combined", "gpt2-small", ["batch_size=32", "model.loss_impl=xla",
+                                                                   "model.scan_layers=false"]),
+                        ("llama-1b_b8_maxtext_flags", "llama-1b", ["batch_size=8"])):
                     jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150,
                                            flags=MAXTEXT_GPU_FLAGS))
+            # Where the device time goes: kernel time per XLA op over a few traced steps.
+            for name, preset, overrides in (("gpt2-small_b32_profile", "gpt2-small", ["batch_size=32"]),
+                                            ("llama-1b_b8_profile", "llama-1b", ["batch_size=8"]))[: 1 if dry else 2]:
+                jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150, steps=5, analyze=True,
+                                       extra=["--profile-steps", "3"]))
         elif stage == "peer":
             dims = (["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "64", "--vocab-size", "512",
                      "--batch", "4", "--steps", "2", "--warmup", "1", "--device", "cpu", "--compile", "0"] if dry else
@@ -257,6 +268,8 @@ def normalize(o: Outcome, env: dict, junit: Path) -> list[dict]:
                    "step_s": line["step_time_s"]["median"], "step_s_min": line["step_time_s"]["min"],
                    "compile_s": line["compile_s"], "peak_bytes": line["peak_bytes"],
                    "compiled_bytes": line["compiled_bytes"], "loss_first_last": line["loss_first_last"]}
+            if "profile" in line:
+                rec["profile"] = line["profile"]
             if "analysis" in line:
                 a = line["analysis"]
                 p = a["prediction"]
@@ -333,7 +346,7 @@ def _peer_ratio(recs: list[dict]) -> None:
     ours = [r for r in recs if r.get("bench") == "train_step" and r.get("preset") == "gpt2-small"
             and r.get("tokens_per_s") and not r.get("peer") and r.get("stage") == "train"]
     for r in recs:
-        if r.get("peer") and r.get("peer_tokens_per_s") and ours:
+        if r.get("peer") and r.get("peer_tokens_per_s") and ours and not r.get("ratio"):
             best = max(ours, key=lambda x: x["tokens_per_s"])
             r.update(tokens_per_s=best["tokens_per_s"], jaxperf_job=best["job"], jaxperf_mfu=best["mfu"],
                      jaxperf_mfu_nanogpt_count=best["mfu_nanogpt_count"],
@@ -376,6 +389,9 @@ def summarize(recs: list[dict]) -> list[str]:
             res = (f"{r['tokens_per_s']:>10.0f} tok/s  MFU {100 * r['mfu']:.1f}% (nanoGPT count "
                    f"{100 * r['mfu_nanogpt_count']:.1f}%)  peak {(r['peak_bytes'] or 0) / 2**30:.1f} GiB  "
                    f"step {r['step_s'] * 1e3:.1f} ms")
+            if r.get("profile"):
+                top = r["profile"]["ops"][0] if r["profile"]["ops"] else ["-", 0]
+                res += f"  kernels {r['profile']['kernel_ms_per_step']:.1f} ms/step, top {top[0]} {top[1]:.1f} ms"
             if b == "memory":
                 res += (f"  est/peak {r.get('estimate_over_peak')}  pred/meas {r.get('predicted_over_measured')} "
                         f"({r.get('predicted_bound_by')})")
@@ -421,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nanogpt-dir", default=str(ROOT / ".peer" / "nanogpt"),
                    help="folder holding nanoGPT's model.py (kept out of this repository)")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting jobs after this many seconds")
+    p.add_argument("--jobs", default=None, help="comma-separated stage/job globs to keep, e.g. 'train/llama-1b_*'")
+    p.add_argument("--tests", default=None, help="correctness: a pytest -k expression selecting the gpu tests")
     a = p.parse_args(argv)
     stages = a.only.split(",") if a.only else list(STAGES if (a.full or a.dry_run) else DEFAULT_STAGES)
     unknown = [s for s in stages if s not in STAGES]
@@ -434,9 +452,12 @@ def main(argv: list[str] | None = None) -> int:
     junit = out / "junit.xml"
     junit.unlink(missing_ok=True)
     jobs = plan(stages, dry=a.dry_run, full=a.full, nanogpt_dir=Path(a.nanogpt_dir))
+    if a.jobs:
+        keep = a.jobs.split(",")
+        jobs = [j for j in jobs if j.stage == "env" or any(fnmatch.fnmatch(f"{j.stage}/{j.name}", k) for k in keep)]
     for job in jobs:
         if job.stage == "correctness":
-            job.argv += [f"--junitxml={junit}"]
+            job.argv += [f"--junitxml={junit}"] + (["-k", a.tests] if a.tests else [])
     base_env = {"JAX_PLATFORMS": "cpu" if a.dry_run else "cuda,cpu", "PYTHONUNBUFFERED": "1",
                 "TF_CPP_MIN_LOG_LEVEL": "2", "JAX_COMPILATION_CACHE_DIR": "", "JAXPERF_HUGE_PAGES": "0"}
     env_info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -477,11 +498,16 @@ def main(argv: list[str] | None = None) -> int:
                 recs = normalize(outcome, env_info, junit)
                 for r in recs:
                     r.setdefault("commit", env_info.get("commit"))
+                if job.stage == "peer":
+                    _peer_ratio(records + recs)
             records += recs
-        _peer_ratio(records)
-        records += [{**r, "stage": "attention", "device_kind": env_info.get("device_kind"), "jax": env_info.get("jax"),
-                     "date": env_info["date"], "commit": env_info.get("commit")} for r in _attention_auto(records)]
-        for r in records:
+            for r in recs:  # written as they come: a run cut short keeps what it measured
+                sink.write(json.dumps(r) + "\n")
+            sink.flush()
+        auto = [{**r, "stage": "attention", "device_kind": env_info.get("device_kind"), "jax": env_info.get("jax"),
+                 "date": env_info["date"], "commit": env_info.get("commit")} for r in _attention_auto(records)]
+        records += auto
+        for r in auto:
             sink.write(json.dumps(r) + "\n")
     print("\n".join(summarize(records)))
     print(f"total {time.perf_counter() - t_start:.0f} s; records in {out / 'gpu.jsonl'}")

@@ -403,8 +403,43 @@ def _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss):
         raise ValueError(f"z_loss must be a non-negative Python float, got {z_loss!r}")
 
 
-def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, interpret) -> _Config:
-    """Check block sizes, shrink them to the problem, and work out the padded sizes."""
+# Triton keeps a program's operand tiles in shared memory, each spanning the whole padded width D (a power of two):
+# the h rows [block_n, D] and the w columns [D, block_v], (block_n + block_v) x D x itemsize bytes. Seen on an H200
+# (jax 0.11.2): block_n=64, block_v=128 at D=768 (padded to 1024) asked for exactly that, 384 KiB in bf16 and 768 KiB
+# in fp32, where a Hopper block may have 227 KiB. Tiles shrink until they fit this budget (the rest is headroom).
+GPU_SHARED_MEMORY_BUDGET = 200 * 2**10
+_GPU_MIN_TILE = 16  # Triton's dot needs at least 16 along each dim
+
+
+def _gpu_tile_bytes(block_n: int, block_v: int, d: int, itemsize: int) -> int:
+    return (block_n + block_v) * d * itemsize
+
+
+def _fit_gpu_shared_memory(block_n: int, block_v: int, d: int, itemsize: int) -> tuple[int, int]:
+    """Halve the tiles (the wider first) until `_gpu_tile_bytes` fits GPU_SHARED_MEMORY_BUDGET."""
+    while _gpu_tile_bytes(block_n, block_v, d, itemsize) > GPU_SHARED_MEMORY_BUDGET:
+        if block_v > block_n and block_v // 2 >= _GPU_MIN_TILE:
+            block_v //= 2
+        elif block_n // 2 >= _GPU_MIN_TILE:
+            block_n //= 2
+        elif block_v // 2 >= _GPU_MIN_TILE:
+            block_v //= 2
+        else:
+            raise ValueError(_gpu_too_wide(d, itemsize))
+    return block_n, block_v
+
+
+def _gpu_too_wide(d: int, itemsize: int) -> str:
+    least = _gpu_tile_bytes(_GPU_MIN_TILE, _GPU_MIN_TILE, d, itemsize)
+    return (f"width D={d} at {itemsize} bytes per element needs {least // 1024} KiB of GPU shared memory even at "
+            f"{_GPU_MIN_TILE}x{_GPU_MIN_TILE} tiles (budget {GPU_SHARED_MEMORY_BUDGET // 1024} KiB); use impl='xla' "
+            "(the chunked path)")
+
+
+def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, interpret,
+         itemsize: int = 4) -> _Config:
+    """Check block sizes, shrink them to the problem (and, for Triton, to GPU shared memory), and work out the padded
+    sizes. `itemsize`: bytes per element of h and w."""
     for name in ("block_n", "block_v", "chunk_n", "chunk_v"):
         size = getattr(blocks, name)
         if not isinstance(size, int) or size <= 0:
@@ -427,8 +462,10 @@ def _fit(blocks: BlockSizes, N: int, D: int, V: int, engine: str, backend: str, 
         for narrower in (block_v // 2, block_v // 4):
             if V % block_v and narrower >= v_floor and narrower % v_floor == 0 and V % narrower == 0:
                 block_v = narrower
-        vocab_pad = _util.round_up(V, block_v)
         dim_pad = _util.padded_lanes(D, backend, interpret)
+        if compiled and backend == "gpu":
+            block_n, block_v = _fit_gpu_shared_memory(block_n, block_v, dim_pad, itemsize)
+        vocab_pad = _util.round_up(V, block_v)
     else:  # the xla engine keeps V and D as they are, chunks rows by chunk_n and (backward) columns by chunk_v
         block_n = min(blocks.chunk_n, _util.round_up(N, 8))
         block_v, vocab_pad, dim_pad = xla_vocab_block(V, blocks.chunk_v), V, D
@@ -502,7 +539,8 @@ def linear_cross_entropy(
         _util.check_runnable(interpret, backend, "linear_cross_entropy")
     N, D = h_NxD.shape
     V = w_DxV.shape[1]
-    cfg = _fit(block_sizes or BlockSizes.get_default(backend), N, D, V, which, backend, interpret)
+    cfg = _fit(block_sizes or BlockSizes.get_default(backend), N, D, V, which, backend, interpret,
+               itemsize=jnp.dtype(h_NxD.dtype).itemsize)
     cfg = dataclasses.replace(cfg, z_loss=float(z_loss))
     weight_N = jnp.ones((N,), _F32) if mask is None else mask.astype(_F32)
     h = _util.pad_axis(_util.pad_axis(h_NxD, 0, cfg.rows_pad), 1, cfg.dim_pad)
@@ -522,4 +560,8 @@ def unavailable_reason(h_NxD, w_DxV, *, backend: str | None = None) -> str | Non
         return f"unsupported dtypes {h_NxD.dtype}/{w_DxV.dtype}; need matching float32, bfloat16 or float16"
     if backend not in ("cpu",) + _util.SUPPORTED_BACKENDS:
         return f"no Pallas lowering chosen for backend {backend!r}"
+    itemsize = jnp.dtype(h_NxD.dtype).itemsize
+    d_pad = _util.padded_lanes(h_NxD.shape[1], backend, False)
+    if backend == "gpu" and _gpu_tile_bytes(_GPU_MIN_TILE, _GPU_MIN_TILE, d_pad, itemsize) > GPU_SHARED_MEMORY_BUDGET:
+        return _gpu_too_wide(d_pad, itemsize)
     return None

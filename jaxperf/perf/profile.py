@@ -61,6 +61,44 @@ def trace_files(logdir: str | os.PathLike) -> list[str]:
     return sorted(str(p) for p in Path(logdir).rglob("*") if p.is_file())
 
 
+def device_time_by_op(logdir: str | os.PathLike, *, steps: int = 1, top: int = 25) -> dict:
+    """Where the device time of a trace went: kernel time summed per XLA op (the `hlo_op` a kernel ran for, else the
+    kernel's name), per step, from the `.xplane.pb` files under `logdir` (jax.profiler.ProfileData).
+
+    Returns {"device_planes", "kernel_ms_per_step" (every kernel's time, summed over streams), "ops": [[op,
+    ms_per_step, kernels_per_step, share], ...] for the `top` ops by time}. On CPU the XLA:CPU thread pool's ops are
+    counted instead of GPU kernels. Empty "ops" when the trace holds no device events.
+    """
+    from jax.profiler import ProfileData
+
+    totals: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    planes = []
+    for path in Path(logdir).rglob("*.xplane.pb"):
+        for plane in ProfileData.from_file(str(path)).planes:
+            gpu = plane.name.startswith("/device:GPU")
+            if not (gpu or plane.name == "/host:CPU"):
+                continue
+            seen = False
+            for line in plane.lines:
+                if not gpu and not line.name.startswith("tf_XLA"):
+                    continue
+                for ev in line.events:
+                    stats = dict(ev.stats)
+                    if not gpu and "hlo_op" not in stats:
+                        continue
+                    op = str(stats.get("hlo_op") or ev.name)
+                    totals[op] += ev.duration_ns
+                    counts[op] += 1
+                    seen = True
+            if seen:
+                planes.append(plane.name)
+    total_ns = sum(totals.values())
+    ops = [[op, ns / 1e6 / steps, counts[op] / steps, ns / total_ns if total_ns else 0.0]
+           for op, ns in totals.most_common(top)]
+    return {"device_planes": planes, "kernel_ms_per_step": total_ns / 1e6 / steps, "ops": ops}
+
+
 class HostSyncError(RuntimeError):
     """A device-to-host read inside `audit_host_syncs(disallow=True)`."""
 
