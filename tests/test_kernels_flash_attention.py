@@ -15,6 +15,7 @@ import pytest
 from _accelerators import gpu_kernel_names, lower_for_cuda, tpu_replicated
 
 from pallas_kernels.flash_attention import (
+    MASKED_ROW_LSE,
     BlockSizes,
     SegmentIds,
     as_segment_ids,
@@ -239,6 +240,55 @@ def test_tpu_kernels_match_reference_in_the_tpu_interpreter(B, L, S, H, K, Dh, c
         ("flash_attention_dq", 4),
         ("flash_attention_dkv", 5),
     ]
+
+
+def fully_masked_segments(B, L, S, seed=0):
+    """(SegmentIds, empty [B, L] bool): packed key segments, and queries that carry an id no key has (-1), so they
+    see no key: a short run, one across a 16- and 32-row block edge, a whole 32-row block, and the last query."""
+    seg_BxS = jnp.cumsum(jax.random.bernoulli(jax.random.key(seed), 0.05, (B, S)), axis=1).astype(jnp.int32)
+    empty_BxL = np.zeros((B, L), bool)
+    empty_BxL[0, 3:7] = empty_BxL[0, 28:40] = empty_BxL[-1, 64:96] = empty_BxL[:, L - 1] = True
+    return SegmentIds(jnp.where(empty_BxL, -1, seg_BxS[:, S - L :]), seg_BxS), empty_BxL
+
+
+@pytest.mark.parametrize("L,S,causal", [(130, 130, True), (130, 130, False), (100, 160, True)])
+@pytest.mark.parametrize("interpret", _interpret_modes())
+def test_fully_masked_query_rows_output_zeros_in_kernel_and_reference(L, S, causal, interpret):
+    """A query that sees no key outputs zeros with lse MASKED_ROW_LSE (kernel and reference alike), has dq = 0, and
+    adds nothing to dk, dv: the gradients do not change when its cotangent does, however large."""
+    q, k, v, ct, _ = _inputs(2, L, S, 4, 2, 16, jnp.float32, False, seed=7)
+    segs, empty_BxL = fully_masked_segments(2, L, S)
+    kw = dict(causal=causal, segment_ids=segs, return_lse=True)
+    kernel = functools.partial(flash_attention, block_sizes=SMALL_BLOCKS, interpret=interpret, **kw)
+    reference = functools.partial(flash_attention_reference, **kw)
+
+    def grads(fn, ct):
+        def loss(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * ct) + jnp.sum(jnp.sin(lse))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    loud_ct = jnp.where(empty_BxL[:, :, None, None], 1e6, 1.0) * ct  # huge cotangents on the empty rows
+    quiet_ct = jnp.where(empty_BxL[:, :, None, None], 0.0, ct)  # none there
+    results = {}
+    for name, fn in (("kernel", kernel), ("reference", reference)):
+        out, lse = fn(q, k, v)
+        np.testing.assert_array_equal(np.asarray(out)[empty_BxL], 0.0, err_msg=f"{name} out of empty rows")
+        lse_BxLxH = np.asarray(lse).transpose(0, 2, 1)
+        np.testing.assert_array_equal(lse_BxLxH[empty_BxL], np.float32(MASKED_ROW_LSE), err_msg=f"{name} lse")
+        assert np.isfinite(lse_BxLxH[~empty_BxL]).all() and (lse_BxLxH[~empty_BxL] > -1e3).all(), name
+        loud, quiet = grads(fn, loud_ct), grads(fn, quiet_ct)
+        for g_name, g, g_quiet in zip(("dq", "dk", "dv"), loud, quiet):
+            assert np.isfinite(np.asarray(g)).all(), f"{name} {g_name} not finite"
+            _assert_close(g, g_quiet, 1e-6, f"{name} {g_name}: the empty rows' cotangent leaked in")
+        np.testing.assert_array_equal(np.asarray(loud[0])[empty_BxL], 0.0, err_msg=f"{name} dq of empty rows")
+        results[name] = out, lse, loud
+    (out, lse, g), (ref_out, ref_lse, ref_g) = results["kernel"], results["reference"]
+    _assert_close(out, ref_out, 1e-5, "out")
+    _assert_close(lse, ref_lse, 1e-5, "lse")
+    for name, a, b in zip(("dq", "dk", "dv"), g, ref_g):
+        _assert_close(a, b, 2e-5, name)
 
 
 def _vmem_tile_bytes(aval) -> int:

@@ -4,14 +4,17 @@
 
 `segment_ids` is None, one [B, L] array, a (q, kv) pair or a `SegmentIds`; `as_segment_ids` normalises them.
 
+A query that sees no key outputs zeros, with lse `MASKED_ROW_LSE`.
+
 `flash_attention_reference` is the pure-jnp spec; `unavailable_reason` says why the kernel cannot run here (or None).
 """
 
 from .kernel import BlockSizes, flash_attention, unavailable_reason
-from .reference import SegmentIds, as_segment_ids, flash_attention_reference
+from .reference import MASKED_ROW_LSE, SegmentIds, as_segment_ids, flash_attention_reference
 
 __all__ = [
     "BlockSizes",
+    "MASKED_ROW_LSE",
     "SegmentIds",
     "as_segment_ids",
     "flash_attention",

@@ -146,9 +146,15 @@ def softmax_step(cfg: Config, q, k, v, row0, col0, q_seg, kv_seg, m, l, acc):
 
 
 def softmax_finish(m, l, acc, out_dtype):
-    """(out [bq, Dh], lse [bq, 1]) from the running statistics after the last key block."""
-    l = jnp.where(l == 0.0, 1.0, l)  # only rows that saw no block at all
-    return (acc / l).astype(out_dtype), m + jnp.log(l)
+    """(out [bq, Dh], lse [bq, 1]) from the running statistics after the last key block.
+
+    A row that saw no visible key ends with its running max at MASK_VALUE (any visible score is above it; -inf if it
+    saw no block) and its sums over masked keys: it outputs zeros and lse = MASK_VALUE instead (FlashAttention's
+    rule; the reference's `MASKED_ROW_LSE`). The backward masks its p to 0, so it adds nothing to dq, dk, dv."""
+    visible = m > _util.MASK_VALUE
+    l = jnp.where(visible, l, 1.0)
+    out = jnp.where(visible, acc / l, 0.0)
+    return out.astype(out_dtype), jnp.where(visible, m + jnp.log(l), _util.MASK_VALUE)
 
 
 def probs_and_dscores(cfg: Config, q, k, v, do, lse, delta, row0, col0, q_seg, kv_seg):

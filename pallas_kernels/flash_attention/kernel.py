@@ -188,6 +188,9 @@ def flash_attention(
 ):
     """Flash attention with Pallas forward and backward kernels; same contract as `flash_attention_reference`.
 
+    A query that sees no key (its segment id is in no key) outputs zeros, as in FlashAttention, with lse
+    `MASKED_ROW_LSE`, and adds nothing to dq, dk or dv.
+
     Args:
       q: [B, L, H, Dh]. k, v: [B, S, K, Dh] with H % K == 0 (GQA/MQA without repeating k/v).
       causal: causal mask, the query block aligned to the end of the keys (needs S >= L).
@@ -203,7 +206,8 @@ def flash_attention(
         to compile for TPU devices from a CPU host (AOT against a topology).
 
     Returns:
-      out [B, L, H, Dh] in q.dtype, and lse [B, H, L] float32 if return_lse.
+      out [B, L, H, Dh] in q.dtype, and lse [B, H, L] float32 if return_lse (`MASKED_ROW_LSE` for a fully masked
+      query).
 
     Example:
       out = flash_attention(q, k, v, causal=True)  # q [2, 1024, 8, 128] bf16, k/v [2, 1024, 2, 128]

@@ -10,6 +10,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _util
+
+# The lse of a query row that sees no key: a finite stand-in for log(0) (-0.7 x the float32 max, the kernels' mask
+# value). Finite, so the backward (exp(s - lse) on masked entries is selected away, never inf - inf) and a logsumexp
+# merge of partial results (weight exp(MASKED_ROW_LSE - lse) = 0 next to any real row, 1 between two empty ones)
+# stay free of NaN.
+MASKED_ROW_LSE = _util.MASK_VALUE
+
 
 class SegmentIds(NamedTuple):
     """Segment ids of packed sequences: query i of row b sees key j only where q[b, i] == kv[b, j].
@@ -44,7 +52,9 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scal
     """Softmax attention, the spec for `flash_attention`.
 
     Query i attends key j when (not causal or j <= i + S - L) and the segment ids match; the query block is aligned
-    to the end of the key block.
+    to the end of the key block. A query that sees no key at all (its segment id is in no key, or a causal row before
+    the first key when S < L) outputs zeros, as in FlashAttention, and passes no gradient to q, k or v; its lse is
+    `MASKED_ROW_LSE` (finite, see there).
 
     Args:
       q: [B, L, H, Dh]. k, v: [B, S, K, Dh] with H % K == 0 (each kv head serves H // K query heads).
@@ -54,7 +64,7 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scal
       return_lse: also return the logsumexp of the scaled, masked scores.
 
     Returns:
-      out [B, L, H, Dh] in q.dtype, and lse [B, H, L] float32 when return_lse.
+      out [B, L, H, Dh] in q.dtype, and lse [B, H, L] float32 when return_lse (`MASKED_ROW_LSE` for a fully masked row).
 
     Example:
       out = flash_attention_reference(q, k, v, causal=True)
@@ -74,7 +84,10 @@ def flash_attention_reference(q, k, v, *, causal=True, segment_ids=None, sm_scal
         mask_BxKxGxLxS = mask_BxKxGxLxS & (segs.q[:, None, None, :, None] == segs.kv[:, None, None, None, :])
     s_BxKxGxLxS = jnp.where(mask_BxKxGxLxS, s_BxKxGxLxS, jnp.finfo(jnp.float32).min)
     lse_BxKxGxL = jax.nn.logsumexp(s_BxKxGxLxS, axis=-1)
-    p_BxKxGxLxS = jnp.exp(s_BxKxGxLxS - lse_BxKxGxL[..., None])
+    # A row with no visible key would put all its weight on masked keys: zero it. Elsewhere the masked
+    # weights are exactly 0 already. Both `where`s select finite values, so their gradients stay finite.
+    p_BxKxGxLxS = jnp.where(mask_BxKxGxLxS, jnp.exp(s_BxKxGxLxS - lse_BxKxGxL[..., None]), 0.0)
+    lse_BxKxGxL = jnp.where(jnp.any(mask_BxKxGxLxS, axis=-1), lse_BxKxGxL, MASKED_ROW_LSE)
     out = jnp.einsum("bkgls,bskd->blkgd", p_BxKxGxLxS, v.astype(jnp.float32))
     out_BxLxHxDh = out.reshape(B, L, H, Dh).astype(q.dtype)
     if return_lse:
