@@ -12,7 +12,8 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig
 from jaxperf.models import GPT, REMAT_POLICIES, attention, xla_attention
-from jaxperf.models.layers import dense, rope
+from jaxperf.models.layers import decode_attention, dense, rope
+from pallas_kernels.flash_attention import flash_attention_reference
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64, vocab_multiple=64)
 
@@ -54,6 +55,48 @@ def test_grouped_heads_with_segments_and_a_longer_key_block():
     # Two new queries against eight keys: the queries sit at positions 6 and 7.
     tail = xla_attention(q[:, 6:], k, v, causal=True)
     np.testing.assert_allclose(tail, xla_attention(q, k, v, causal=True)[:, 6:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,segments,L,S", [(True, True, 12, 12), (False, True, 12, 12), (True, False, 12, 8)])
+def test_fully_masked_queries_output_zeros_as_the_kernel_reference(causal, segments, L, S):
+    """A query that sees no key (its segment id is in no key; causal with S < L, a query before the first key)
+    outputs zeros and passes no gradient, as `flash_attention_reference` and FlashAttention do."""
+    kq, kk, kv, kc = jax.random.split(jax.random.key(4), 4)
+    q, ct = jax.random.normal(kq, (2, L, 4, 8)), jax.random.normal(kc, (2, L, 4, 8))
+    k, v = jax.random.normal(kk, (2, S, 2, 8)), jax.random.normal(kv, (2, S, 2, 8))
+    empty = np.zeros((2, L), bool)
+    segs = None
+    if segments:
+        kv_seg = jnp.array([[0] * 6 + [1] * 6, [0] * 12])
+        empty[0, 2:5] = empty[1, 0] = empty[1, L - 1] = True
+        segs = (jnp.where(empty, -1, kv_seg), kv_seg)
+    else:
+        empty[:, : L - S] = True
+    ct = jnp.where(empty[:, :, None, None], 1e6, 1.0) * ct  # huge cotangents on the empty rows must not leak
+
+    def out_and_grads(fn):
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v, causal=causal, segment_ids=segs) * ct)  # noqa: E731
+        return fn(q, k, v, causal=causal, segment_ids=segs), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    out, grads = out_and_grads(xla_attention)
+    ref_out, ref_grads = out_and_grads(flash_attention_reference)
+    np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0)
+    for name, g, rg in zip(("dq", "dk", "dv"), grads, ref_grads):
+        np.testing.assert_allclose(g, rg, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_decode_attention_of_an_empty_row_is_zeros():
+    """Length 0 sees no cache slot: zeros, as a fully masked query in `xla_attention`; other rows attend their
+    prefix."""
+    kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(kq, (2, 1, 4, 8))
+    k_cache, v_cache = jax.random.normal(kk, (2, 2, 6, 8)), jax.random.normal(kv, (2, 2, 6, 8))
+    out = decode_attention(q, k_cache, v_cache, jnp.array([0, 3]))
+    np.testing.assert_array_equal(out[0], 0.0)
+    prefix = [jnp.swapaxes(c[1:, :, :3], 1, 2) for c in (k_cache, v_cache)]
+    np.testing.assert_allclose(out[1:], xla_attention(q[1:], *prefix, causal=False), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("materialise", [False, True])

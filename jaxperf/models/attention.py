@@ -55,7 +55,9 @@ def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, se
     """Reference attention in jnp: fp32 softmax, grouped-query heads, optional causal and segment masks.
 
     Query position i attends to key position j when (not causal or j <= i) and the segment ids match. The query block
-    is aligned to the end of the key block (so S > L works for decoding with a cache).
+    is aligned to the end of the key block (so S > L works for decoding with a cache). A query that sees no key (its
+    segment id is in no key, or a causal query before the first key when S < L) outputs zeros and passes no gradient,
+    as in FlashAttention and `flash_attention_reference`.
     """
     B, L, H, Dh = q_BxLxHxDh.shape
     S, K = k_BxSxKxDh.shape[1], k_BxSxKxDh.shape[2]
@@ -78,6 +80,9 @@ def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, se
     scores_BxKxMxS = jnp.where(mask, scores_BxKxMxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxKxMxS, axis=-1).astype(v_BxSxKxDh.dtype)
     out_BxKxMxDh = jnp.einsum("bkms,bksd->bkmd", probs, v_BxKxSxDh, preferred_element_type=jnp.float32)
+    if segment_ids is not None or (causal and S < L):  # only then can a query see no key
+        # Such a row's softmax spread evenly over masked keys: zero it (the `where` also blocks its gradient).
+        out_BxKxMxDh = jnp.where(jnp.any(mask, axis=-1, keepdims=True), out_BxKxMxDh, 0.0)
     return jnp.swapaxes(out_BxKxMxDh.reshape(B, H, L, Dh), 1, 2).astype(q_BxLxHxDh.dtype)
 
 

@@ -259,7 +259,8 @@ def decode_attention(q_Bx1xHxDh, k_cache_BxKxSxDh, v_cache_BxKxSxDh, lengths_B):
     """One query per row against a cache [B, K, S, Dh]: row b attends to slots [0, lengths_B[b]) (the XLA reference).
 
     The math is that of `xla_attention` (fp32 scores and softmax, grouped-query heads), with the causal mask replaced
-    by per-row lengths, so a decode step reproduces the full forward. Both matmuls are batched over (B, K) and
+    by per-row lengths, so a decode step reproduces the full forward; a row of length 0 sees no slot and outputs
+    zeros, as a fully masked query does there. Both matmuls are batched over (B, K) and
     contract the cache's minor dims as they lie in memory (Dh for the scores, S for the values). A Pallas decode
     kernel that takes the same arguments and returns [B, 1, H, Dh] can replace it (`Attention.cached(attend=...)`).
     """
@@ -274,6 +275,7 @@ def decode_attention(q_Bx1xHxDh, k_cache_BxKxSxDh, v_cache_BxKxSxDh, lengths_B):
     scores_BxKxGxS = jnp.where(valid_BxS[:, None, None, :], scores_BxKxGxS, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(v_cache_BxKxSxDh.dtype)
     out = jnp.einsum("bkgs,bksd->bkgd", probs, v_cache_BxKxSxDh, preferred_element_type=jnp.float32)
+    out = jnp.where((lengths_B > 0)[:, None, None, None], out, 0.0)
     return out.reshape(B, 1, H, Dh).astype(q_Bx1xHxDh.dtype)
 
 
