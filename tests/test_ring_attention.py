@@ -61,6 +61,24 @@ def test_ring_segment_ids():
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_fully_masked_queries_output_zeros_with_finite_gradients(causal):
+    """Queries whose segment id no key has see nothing: zeros, as in xla_attention, and gradients that stay finite and
+    equal however large their cotangent (a 1 / tiny floor on the softmax sum turned it into inf)."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("seq",))
+    q, k, v, w = _qkv(kv_heads=2)
+    kv_seg = jnp.stack([jnp.repeat(jnp.array([0, 1]), jnp.array([7, 9])), jnp.zeros(L, jnp.int32)])
+    empty = np.zeros((B, L), bool)
+    empty[0, 3:9] = empty[1, :2] = empty[1, L - 1] = True  # rows 3..8 span two devices' blocks
+    segs = (jnp.where(empty, -1, kv_seg), kv_seg)
+    w = jnp.where(empty[:, :, None, None], 1e6, 1.0) * w
+    got = _out_and_grads(lambda q, k, v: ring_attention_sharded(q, k, v, mesh, causal=causal, segment_ids=segs))(
+        q, k, v, w)
+    want = _out_and_grads(lambda q, k, v: xla_attention(q, k, v, causal=causal, segment_ids=segs))(q, k, v, w)
+    np.testing.assert_array_equal(np.asarray(got[0])[empty], 0.0)
+    _assert_same(got, want)
+
+
 def test_ring_inside_shard_map_with_data_axis():
     """Called inside a user's shard_map: each device holds 1 row and 4 positions of a (data=2, seq=4) mesh."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "seq"))

@@ -167,7 +167,9 @@ def ring_attention(q_BxCxHxDh, k_BxCxKxDh, v_BxCxKxDh, axis_name: str, *, causal
     carries, work = update(state, kv, (me - (n - 1)) % n)  # the last block needs no send
     outs = []
     for acc_BxKxGxcxDh, _, l_BxKxGxc in carries:
-        o = acc_BxKxGxcxDh / jnp.maximum(l_BxKxGxc, jnp.finfo(jnp.float32).tiny)[..., None]
+        # A row that saw no key has l = 0 and acc = 0: it outputs zeros, like `xla_attention`. Dividing it by 1, not
+        # by a tiny floor, keeps its gradient (do / l) finite; every other row has l >= 1.
+        o = acc_BxKxGxcxDh / jnp.where(l_BxKxGxc > 0, l_BxKxGxc, 1.0)[..., None]
         outs.append(o.transpose(0, 3, 1, 2, 4).reshape(B, c, H, Dh))
     out = jnp.concatenate(outs, axis=1).astype(q_BxCxHxDh.dtype)
     return (out, work) if return_work else out
