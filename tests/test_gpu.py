@@ -279,8 +279,16 @@ def test_train_step_on_device_matches_cpu():
         new_state, metrics = step(dev_state, jax.device_put(batch, dev_task.batch_sharding()))
         cpu_state, cpu_metrics = cpu_task.train_step(donate=False)(state, jax.device_put(batch, CPU))
     assert abs(float(metrics["loss"]) - float(cpu_metrics["loss"])) < 1e-5 * abs(float(cpu_metrics["loss"]))
-    for a, b in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(cpu_state.params)):
-        assert _rel(a, b) < 1e-4
+    # Adam scales every gradient to about lr: a leaf whose gradient is rounding noise moves by +-lr either way, so
+    # it is held to that bound; every other leaf must agree closely.
+    lr = float(metrics["lr"])
+    for (path, a), b, w in zip(jax.tree.leaves_with_path(new_state.params), jax.tree.leaves(cpu_state.params),
+                               want_flat):
+        if np.linalg.norm(np.asarray(w, np.float64)) <= 1e-6 * total:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2.5 * lr,
+                                       err_msg=jax.tree_util.keystr(path))
+        else:
+            assert _rel(a, b) < 1e-4, jax.tree_util.keystr(path)
 
 
 def test_checkpoint_saved_from_device_restores_bitwise(tmp_path):

@@ -427,6 +427,10 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bo
     `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
     weights, gathered and counted apart, drop out); `fused`: the layers are unrolled (`_residuals`)."""
     cfg = dataclasses.replace(model_cfg, remat=remat)
+    if cfg.attention_impl == "cudnn":
+        # cuDNN attention traces only where a GPU is attached; the flash kernel keeps the same residuals (q, k, v,
+        # the output and the row logsumexp), so it stands in for it, and a CPU host estimates a GPU step too.
+        cfg = dataclasses.replace(cfg, attention_impl="pallas")
     with _compat.no_eager_sharding():
         block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(block)
