@@ -54,8 +54,10 @@ BENCH = Path(__file__).resolve().parent
 STAGES = ("env", "correctness", "train", "peer", "attention", "decode", "serve", "memory")
 # What the default pass runs, and each stage's limit in seconds there (the sum fits 7 minutes with start-up).
 DEFAULT_STAGES = ("env", "correctness", "train", "peer", "attention", "memory")
-STAGE_LIMIT_S = {"env": 30, "correctness": 100, "train": 170, "peer": 90, "attention": 90, "decode": 120,
-                 "serve": 150, "memory": 100}
+# Seen on an H200 (2026-11-26): correctness 75 s, four train jobs 71 s, the peer 42 s, attention 74 s.
+STAGE_LIMIT_S = {"env": 15, "correctness": 85, "train": 90, "peer": 55, "attention": 80, "decode": 120,
+                 "serve": 150, "memory": 60}
+DEFAULT_BUDGET_S = 390  # the default pass, whatever the stages' own limits leave
 # MaxText's single-host GPU flags (its configs/gpu); measured here as a train-stage variant before any is adopted.
 MAXTEXT_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                      "--xla_gpu_enable_command_buffer=")
@@ -302,7 +304,8 @@ def normalize(o: Outcome, env: dict, junit: Path) -> list[dict]:
                          "seq": line.get("seq"), "head_dim": line.get("head_dim"), "dtype": line.get("dtype"),
                          "causal": line.get("causal"), "tflops": _short(line.get("value")),
                          "ms": _short(t["median_s"] * 1e3) if t.get("median_s") else None,
-                         "pct_of_peak": line.get("pct_of_peak"), "error": line.get("error")})
+                         "pct_of_peak": line.get("pct_of_peak"),
+                         **({"error": line["error"]} if line.get("error") else {})})
     elif job.stage == "decode":
         for line in o.lines:
             if line.get("benchmark") != "generate":
@@ -415,6 +418,20 @@ def summarize(recs: list[dict]) -> list[str]:
     return lines
 
 
+def _git_version() -> str | None:
+    """HEAD's short hash, with '+dirty' when tracked files differ from it (a copy of a work tree sent to a GPU machine
+    carries the .git it was made from: pass --label there)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True)
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def _cannot_run(job: Job, nanogpt_dir: Path) -> str | None:
     """Why a job is skipped rather than run (the peer needs torch and nanoGPT's source), or None."""
     if job.stage != "peer":
@@ -436,9 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="every stage on the CPU at tiny shapes")
     p.add_argument("--nanogpt-dir", default=str(ROOT / ".peer" / "nanogpt"),
                    help="folder holding nanoGPT's model.py (kept out of this repository)")
-    p.add_argument("--budget-s", type=float, default=None, help="stop starting jobs after this many seconds")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help=f"stop every job after this many seconds in all (default pass: {DEFAULT_BUDGET_S})")
     p.add_argument("--jobs", default=None, help="comma-separated stage/job globs to keep, e.g. 'train/llama-1b_*'")
     p.add_argument("--tests", default=None, help="correctness: a pytest -k expression selecting the gpu tests")
+    p.add_argument("--label", default=None, help="the code's version as the records should name it (default: git "
+                                                 "HEAD, '+dirty' with uncommitted changes)")
     a = p.parse_args(argv)
     stages = a.only.split(",") if a.only else list(STAGES if (a.full or a.dry_run) else DEFAULT_STAGES)
     unknown = [s for s in stages if s not in STAGES]
@@ -466,12 +486,10 @@ def main(argv: list[str] | None = None) -> int:
             env_info[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             env_info[name] = None
-    try:
-        env_info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True).stdout.strip() or None
-    except OSError:
-        env_info["commit"] = None
+    env_info["commit"] = a.label or _git_version()
 
+    default_pass = not (a.only or a.full or a.dry_run)
+    budget = a.budget_s or (DEFAULT_BUDGET_S if default_pass else float("inf"))
     t_start = time.perf_counter()
     stage_start: dict[str, float] = {}
     records: list[dict] = []
@@ -480,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             now = time.perf_counter()
             stage_start.setdefault(job.stage, now)
             stage_left = STAGE_LIMIT_S[job.stage] * (3 if a.full else 1) - (now - stage_start[job.stage])
-            total_left = (a.budget_s - (now - t_start)) if a.budget_s else float("inf")
+            total_left = budget - (now - t_start)
             limit = min(job.timeout_s, max(stage_left, 0), total_left)
             if a.dry_run:
                 limit = job.timeout_s * 4  # CPU speed is not the question of a dry run

@@ -2,6 +2,7 @@
 PyTorch peer computes the same losses as jaxperf from the same parameters (when an interpreter with torch is known).
 """
 
+import importlib
 import importlib.util
 import json
 import math
@@ -314,3 +315,58 @@ def test_torch_peer_matches_jaxperf(style, tmp_path):
     np.testing.assert_allclose(peer[0], losses[0], rtol=1e-5)  # forward parity
     np.testing.assert_allclose(peer[1:], losses[1:], rtol=1e-4)  # AdamW, schedule, clipping and decay parity
     assert losses[2] < losses[0]  # the updates did something, so matching them means something
+
+
+def _gpu_check():
+    return importlib.import_module("jaxperf.benchmarks.gpu_check")
+
+
+def test_gpu_check_plans_stages_in_order_and_reads_attention_against_the_fastest(tmp_path):
+    gc = _gpu_check()
+    jobs = gc.plan(list(gc.DEFAULT_STAGES), dry=False, full=False, nanogpt_dir=tmp_path)
+    assert [j.stage for j in jobs] == sorted((j.stage for j in jobs), key=gc.STAGES.index)
+    assert {j.stage for j in jobs} == set(gc.DEFAULT_STAGES)
+    full = {j.name for j in gc.plan(["train"], dry=False, full=True, nanogpt_dir=tmp_path)}
+    assert {"gpt2-small_b32", "gpt2-small_b32_fullloss", "gpt2-small_b32_maxtext_flags", "llama-1b_b8_profile"} <= full
+    # The default pass fits a 7-minute window with start-up to spare.
+    assert sum(gc.STAGE_LIMIT_S[s] for s in gc.DEFAULT_STAGES) <= gc.DEFAULT_BUDGET_S <= 7 * 60 - 30
+    rows = [{"bench": "attention", "seq": 1024, "head_dim": 64, "pass": "both", "impl": i, "ms": ms}
+            for i, ms in (("xla", 5.0), ("cudnn", 1.0), ("auto", 1.1), ("pallas", 2.0))]
+    (auto,) = gc._attention_auto(rows)
+    assert auto["fastest"] == "cudnn" and auto["auto_over_fastest"] == 1.1
+    recs = [{"bench": "train_step", "stage": "train", "preset": "gpt2-small", "job": j, "tokens_per_s": t, "mfu": 0.3,
+             "mfu_nanogpt_count": 0.32} for j, t in (("a", 100.0), ("b", 300.0))]
+    recs.append({"bench": "train_step", "peer": "nanogpt+torch.compile", "peer_tokens_per_s": 200.0})
+    gc._peer_ratio(recs)
+    assert recs[-1]["jaxperf_job"] == "b" and recs[-1]["ratio"] == 1.5
+    assert gc._cannot_run(gc.Job("peer", "x", [], 1), tmp_path)  # no nanoGPT source there: skipped, with the reason
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_stage_on_cpu(tmp_path):
+    """What CI runs so that the GPU script never rots: every stage at tiny shapes, records for each."""
+    script = os.path.join(os.path.dirname(bench.__file__), "gpu_check.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path), "--dry-run", "--label", "test"],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [json.loads(line) for line in (tmp_path / "gpu.jsonl").read_text().splitlines()]
+    by_stage = {}
+    for r in recs:
+        by_stage.setdefault(r["stage"], []).append(r)
+        assert r["commit"] == "test" and "error" not in r, r
+    assert set(by_stage) == {"env", "correctness", "train", "peer", "attention", "decode", "serve", "memory"}
+    tests = {r["test"]: r["outcome"] for r in by_stage["correctness"]}
+    assert any(t.startswith("test_flash_attention_matches_reference_on_device") for t in tests)
+    assert {o for t, o in tests.items() if "cudnn" not in t} == {"passed"}, tests
+    train = {r["job"]: r for r in by_stage["train"]}
+    assert train["gpt2-small_b32"]["tokens_per_s"] > 0 and train["gpt2-small_b32"]["flops_per_token_nanogpt"] > 0
+    assert train["gpt2-small_b32_profile"]["profile"]["ops"]  # device time per op, from a trace
+    (memory,) = by_stage["memory"]
+    assert memory["estimate_bytes"] > 0 and memory["estimate_over_compiled_bound"] > 0
+    assert any(r.get("fastest") for r in by_stage["attention"])
+    assert any(r["bench"] == "decode" and r["tokens_per_s"] > 0 for r in by_stage["decode"])
+    assert any(r["bench"] == "serve" and r.get("unit") == "requests/s" for r in by_stage["serve"])
+    peer = by_stage["peer"][0]
+    assert peer.get("skipped") or peer["peer_tokens_per_s"] > 0
+    assert "stage" in proc.stdout and "total" in proc.stdout  # the table printed last
