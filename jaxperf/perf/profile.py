@@ -62,8 +62,8 @@ def trace_files(logdir: str | os.PathLike) -> list[str]:
 
 
 def device_time_by_op(logdir: str | os.PathLike, *, steps: int = 1, top: int = 25) -> dict:
-    """Where the device time of a trace went: kernel time summed per XLA op (the `hlo_op` a kernel ran for, else the
-    kernel's name), per step, from the `.xplane.pb` files under `logdir` (jax.profiler.ProfileData).
+    """Where the device time of a trace went: kernel time summed per XLA op (the `hlo_op` a kernel ran for; the
+    kernel's own name where there is none, or where XLA replays many kernels as one command buffer), per step, from the `.xplane.pb` files under `logdir` (jax.profiler.ProfileData).
 
     Returns {"device_planes", "kernel_ms_per_step" (every kernel's time, summed over streams), "ops": [[op,
     ms_per_step, kernels_per_step, share], ...] for the `top` ops by time}. On CPU the XLA:CPU thread pool's ops are
@@ -88,6 +88,8 @@ def device_time_by_op(logdir: str | os.PathLike, *, steps: int = 1, top: int = 2
                     if not gpu and "hlo_op" not in stats:
                         continue
                     op = str(stats.get("hlo_op") or ev.name)
+                    if op.startswith("command_buffer"):  # a CUDA graph of many kernels: name the kernel instead
+                        op = ev.name
                     totals[op] += ev.duration_ns
                     counts[op] += 1
                     seen = True
