@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+from jax.profiler import ProfileData
 
 
 @contextlib.contextmanager
@@ -63,14 +64,13 @@ def trace_files(logdir: str | os.PathLike) -> list[str]:
 
 def device_time_by_op(logdir: str | os.PathLike, *, steps: int = 1, top: int = 25) -> dict:
     """Where the device time of a trace went: kernel time summed per XLA op (the `hlo_op` a kernel ran for; the
-    kernel's own name where there is none, or where XLA replays many kernels as one command buffer), per step, from the `.xplane.pb` files under `logdir` (jax.profiler.ProfileData).
+    kernel's own name where there is none, or where XLA replays many kernels as one command buffer), per step, from
+    the `.xplane.pb` files under `logdir` (jax.profiler.ProfileData).
 
     Returns {"device_planes", "kernel_ms_per_step" (every kernel's time, summed over streams), "ops": [[op,
     ms_per_step, kernels_per_step, share], ...] for the `top` ops by time}. On CPU the XLA:CPU thread pool's ops are
     counted instead of GPU kernels. Empty "ops" when the trace holds no device events.
     """
-    from jax.profiler import ProfileData
-
     totals: collections.Counter = collections.Counter()
     counts: collections.Counter = collections.Counter()
     planes = []
