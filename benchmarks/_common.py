@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from jaxperf.config import get_config, validate
-from jaxperf.explicit.flavours import build_train_step
+from jaxperf.step.flavours import build_train_step
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hardware import peak_flops as _peak

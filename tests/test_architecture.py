@@ -20,12 +20,13 @@ ALLOWED = {
     "perf": {"_compat", "config", "parallel", "models"},
     "step": {"_compat", "config", "parallel", "models", "perf"},
     "explicit": {"_compat", "config", "parallel", "models", "step"},
-    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "interop"},
+    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "interop"},
     "generate": {"_compat", "config", "data", "parallel", "models", "perf", "step", "train"},
     "interop": {"_compat", "config", "data", "parallel", "models", "step"},
     "cli": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "train", "generate",
             "interop"},
-    "": {"config", "models", "step", "train"},  # jaxperf/__init__.py: the public names
+    "": {"config", "models", "step", "train", "explicit"},  # jaxperf/__init__.py: the public names; explicit registers
+    # the shard_map and pmap step flavours
 }
 # Imported inside functions on purpose: optional extras, and private jax modules that may move between versions.
 DEFERRED_OK = ("tensorboardX", "starlette", "uvicorn", "matplotlib", "jax._src", "jax.experimental.shard_map",
@@ -106,3 +107,14 @@ def test_pyproject_lists_every_package():
     found |= {"jaxperf.benchmarks" + "".join(f".{x}" for x in p.relative_to(ROOT / "benchmarks").parts[:-1])
               for p in (ROOT / "benchmarks").glob("**/__init__.py")}
     assert listed == found, f"pyproject.toml [tool.setuptools] packages: missing {found - listed}, extra {listed - found}"
+
+
+def test_every_flavour_has_a_step_builder_and_train_gets_it_from_step():
+    """`parallel.flavour` names a builder in jaxperf.step.flavours: jit there, shard_map and pmap registered by
+    jaxperf.explicit when the package is imported; train/ (ALLOWED above) never imports explicit."""
+    import jaxperf  # noqa: F401
+    from jaxperf.config import FLAVOURS
+    from jaxperf.step.flavours import registered_flavours
+
+    assert sorted(registered_flavours()) == sorted(FLAVOURS)
+    assert "explicit" not in ALLOWED["train"]

@@ -35,7 +35,8 @@
              the same per-device step as shard_map dp. `FlavouredStep.to_step` / `from_step` convert at the boundary,
              so the Trainer checkpoints, evaluates and logs the usual state.
 
-`check_flavour` refuses, before compiling, what a flavour cannot run: pmap anything but replicated parameters;
+Both register with jaxperf.step.flavours, where every run gets its step (`build_train_step`). Their checks
+refuse, before compiling, what a flavour cannot run: pmap anything but replicated parameters;
 shard_map parameters split over other mesh axes, or tensor parallelism whose head or MLP dims do not divide evenly.
 
 Weighting: as in the jit step, a device's gradient of its mean loss is multiplied by its number of unmasked tokens,
@@ -67,11 +68,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
-from jaxperf.config import FLAVOURS, ConfigError
+from jaxperf.config import ConfigError
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.parallel.mesh import compiling_for, platform_of
 from jaxperf.parallel.rules import logical_to_spec
 from jaxperf.parallel.sharding import replicated
+from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour, register_flavour
 from jaxperf.step.task import LossFn, Task, TrainState, finish_step
 
 PMAP_AXIS = "replica"  # the axis name the pmap step reduces over
@@ -83,27 +85,6 @@ TENSOR_LOCAL = frozenset({"heads", "kv_heads", "mlp"})
 
 def _identity(x):
     return x
-
-
-@dataclass(frozen=True)
-class FlavouredStep:
-    """A train step and the conversions at its boundary; `step(state, batch) -> (state, metrics)`.
-
-    `to_step` turns a state laid out by `task.state_shardings()` into the step's own layout and `from_step` turns it
-    back (both the identity for jit and shard_map, whose states are laid out exactly like the jit step's). Batches and
-    metrics keep the jit step's form on the outside.
-    """
-
-    flavour: str
-    fn: Callable
-    to_step: Callable[[TrainState], Any] = _identity
-    from_step: Callable[[Any], TrainState] = _identity
-    prepare_batch: Callable[[Any], Any] = _identity
-    finish_metrics: Callable[[Any], Any] = _identity
-
-    def __call__(self, state, batch):
-        state, metrics = self.fn(state, self.prepare_batch(batch))
-        return state, self.finish_metrics(metrics)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -191,16 +172,10 @@ def _check_tensor_split(task: Task) -> None:
                     f"make heads, KV heads and MLP width divide by tensor={t}, or use parallel.flavour=jit")
 
 
-def check_flavour(flavour: str, task: Task) -> None:
-    """Raise ConfigError, before anything compiles, when `flavour` cannot run the task's rule table on its mesh.
-
-    shard_map runs parameters sharded over data-parallel axes and `tensor` (dp, fsdp, tp, fsdp_tp); pmap runs
-    replicated parameters only, in one process.
-    """
-    if flavour not in FLAVOURS:
-        raise ConfigError(f"unknown parallel.flavour {flavour!r}; choose one of {', '.join(FLAVOURS)}")
-    if flavour == "jit":
-        return
+def _check_by_hand(flavour: str, task: Task) -> None:
+    """Raise ConfigError, before anything compiles, when `flavour` (shard_map or pmap) cannot run the task's rule table
+    on its mesh: shard_map runs parameters sharded over data-parallel axes and `tensor` (dp, fsdp, tp, fsdp_tp); pmap
+    runs replicated parameters only, in one process."""
     data = set(data_axes(task))
     allowed = data | ({TENSOR_AXIS} if flavour == "shard_map" else set())
     for path, spec in _flat_specs(task):
@@ -454,7 +429,7 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
     Returns:
       a FlavouredStep whose `(state, batch) -> (state, metrics)` is jitted with the jit step's shardings.
     """
-    check_flavour("shard_map", task)
+    _check_by_hand("shard_map", task)
     mesh, axes = task.mesh, data_axes(task)
     vary_all = lambda tree: jax.tree.map(lambda x: _cast_varying(x, axes), tree)  # noqa: E731
     body_specs, data_specs = _body_specs(task)  # the block each device holds; its data-parallel part
@@ -521,7 +496,7 @@ def pmap_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, sched
     replica 0 back to `task.state_shardings()`. The batch is given as for the jit step (rows over the data-parallel
     axes) and regrouped per device as [n, b, ...] without moving data; metrics come back as scalars.
     """
-    check_flavour("pmap", task)
+    _check_by_hand("pmap", task)
     devices = list(task.mesh.devices.flat)
     n = len(devices)
     stacked = NamedSharding(_compat.make_mesh((n,), (PMAP_AXIS,), devices=devices), P(PMAP_AXIS))
@@ -552,21 +527,8 @@ def pmap_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, sched
     return FlavouredStep("pmap", pstep, to_step, from_step, prepare_batch, finish_metrics)
 
 
-def build_train_step(task: Task, loss_fn: LossFn, flavour: str = "jit", *, microbatches: int = 1, schedule=None,
-                     donate: bool = True, overlap_grad_reduce: bool = False) -> FlavouredStep:
-    """The train step of `flavour` (jit | shard_map | pmap) for `task`, checked before anything compiles.
+register_flavour("shard_map", shard_map_train_step, lambda task: _check_by_hand("shard_map", task),
+                 options=("overlap_grad_reduce",))
+register_flavour("pmap", pmap_train_step, lambda task: _check_by_hand("pmap", task))
 
-    `overlap_grad_reduce` (shard_map dp only) all-reduces each layer's gradients inside the backward pass; under jit
-    XLA schedules the gradient all-reduces itself (and overlaps them with the backward where the backend runs
-    collectives asynchronously)."""
-    check_flavour(flavour, task)
-    if overlap_grad_reduce and flavour != "shard_map":
-        raise ConfigError(f"parallel.overlap_grad_reduce is a shard_map option (the step names its collectives); "
-                          f"flavour={flavour} does not take it: set parallel.flavour=shard_map strategy=dp")
-    if flavour == "shard_map":
-        return shard_map_train_step(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate,
-                                    overlap_grad_reduce=overlap_grad_reduce)
-    if flavour == "jit":
-        return FlavouredStep("jit", task.train_step(loss_fn, microbatches=microbatches, schedule=schedule,
-                                                    donate=donate))
-    return pmap_train_step(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate)
+__all__ = ["FlavouredStep", "build_train_step", "check_flavour", "pmap_train_step", "shard_map_train_step"]

@@ -1,5 +1,6 @@
 """The one train step: a model placed on a mesh by a rule table (Task), its optimizer and its numerical health."""
 
+from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour, register_flavour
 from jaxperf.step.health import HealthOptions
 from jaxperf.step.optimizer import lr_schedule, make_optimizer
 from jaxperf.step.task import (
@@ -7,6 +8,7 @@ from jaxperf.step.task import (
 )
 
 __all__ = [
+    "FlavouredStep", "build_train_step", "check_flavour", "register_flavour",
     "HealthOptions", "LossFn", "Task", "TrainState", "build_task", "decay_mask", "finish_step", "lr_schedule",
     "make_optimizer", "next_token_loss", "platform_of", "step_microbatches",
 ]

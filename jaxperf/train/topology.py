@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
-from jaxperf.explicit.flavours import build_train_step
+from jaxperf.step.flavours import build_train_step
 from jaxperf.models.platform import implementation_choices, layers_per_iteration
 from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token

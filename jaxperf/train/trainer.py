@@ -29,7 +29,7 @@ from jax.experimental import multihost_utils
 
 from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
-from jaxperf.explicit.flavours import FlavouredStep, build_train_step, check_flavour
+from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.models.platform import implementation_choices
 from jaxperf.parallel.mesh import make_mesh, normalize_platform, platform_of
