@@ -5,8 +5,8 @@
     python benchmarks/bench_kernels.py --ops attention --seq 1024 2048 4096 8192 --head-dim 64 128
 
 Attention also times `auto`, the implementation the model picks on this platform, so its choice can be checked
-against the fastest at each shape. Figures: attention and cross-entropy in TFLOP/s of model FLOPs (attention forward 4*B*H*L*S*Dh, halved when causal,
-backward 2.5x the forward; cross-entropy forward 2*N*D*V, backward 4*N*D*V), norms in GB/s of memory traffic (forward:
+against the fastest at each shape. Figures: attention and cross-entropy in TFLOP/s of model FLOPs (attention
+forward 4*B*H*L*S*Dh, halved when causal, backward 2.5x the forward; cross-entropy forward 2*N*D*V, backward 4*N*D*V), norms in GB/s of memory traffic (forward:
 read x, write y; backward: read x and dy, write dx). Each is given as % of the device's peak (jaxperf.perf.hardware)
 where one is known, and as a ratio to the XLA reference and, for attention on GPUs, to cuDNN through
 `jax.nn.dot_product_attention`. Every implementation's output is checked against the reference before it is timed;
@@ -113,11 +113,10 @@ def bench_attention(seqs, head_dims, dtype, iters, batch, heads, tokens=None, pa
     peak, source = peak_flops(dtype)
     out = []
     for L in seqs:
-        batch_L = max(1, tokens // L) if tokens else batch
+        rows = max(1, tokens // L) if tokens else batch
         for Dh in head_dims:
-            batch = batch_L
             ks = jax.random.split(jax.random.key(0), 3)
-            args = [jax.random.normal(k, (batch, L, heads, Dh), dtype) for k in ks]
+            args = [jax.random.normal(k, (rows, L, heads, Dh), dtype) for k in ks]
             impls = {"xla": lambda q, k, v: xla_attention(q, k, v, causal=True),
                      "pallas": lambda q, k, v: flash_attention(q, k, v, causal=True)}
             if jax.default_backend() == "gpu" and dtype != "float32":
@@ -125,10 +124,10 @@ def bench_attention(seqs, head_dims, dtype, iters, batch, heads, tokens=None, pa
                                                                               implementation="cudnn")
             # What the model runs with model.attention_impl=auto on this platform (jaxperf.models.platform).
             impls["auto"] = lambda q, k, v: attention(q, k, v, causal=True, impl="auto")
-            fwd = 4 * batch * heads * L * L * Dh / 2
+            fwd = 4 * rows * heads * L * L * Dh / 2
             out += _time_passes("attention", impls, args, lambda o: jnp.sum(o.astype(jnp.float32)),
                                 {"forward": fwd, "backward": 2.5 * fwd}, "TFLOP/s", iters, dtype,
-                                dict(batch=batch, heads=heads, seq=L, head_dim=Dh, causal=True),
+                                dict(batch=rows, heads=heads, seq=L, head_dim=Dh, causal=True),
                                 peak=peak, peak_source=source, passes=passes)
             del args
     return out

@@ -158,8 +158,7 @@ def analyze(cfg, mesh, compiled, measured_step_s: float, peak_bytes: int | None)
     B, L = cfg.batch_size, cfg.train_seq_len
     est = estimate(cfg, mesh)
     mem = compiled_memory(compiled)
-    compiled_peak = mem["peak"]
-    compiled_bound = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+    compiled_peak, compiled_bound = mem["peak"], mem["bound"]
     pred = predict_step(compiled.as_text(), model_flops=flops_per_token(cfg.model, L) * B * L / n,
                         hardware_flops=flops_per_token(cfg.model, L, hardware=True) * B * L / n,
                         chip=chip_for(mesh.devices.flat[0]), dtype=cfg.model.dtype)

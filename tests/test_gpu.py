@@ -21,6 +21,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+
+from jaxperf import _compat
+from jaxperf.config import get_config, validate_model
+from jaxperf.generate import Generator
+from jaxperf.models import GPT
+from jaxperf.models.attention import xla_attention
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel.rules import activation_sharding
+from jaxperf.step.task import build_task
+from jaxperf.train.checkpoint import Checkpointer
+from pallas_kernels import norms
+from pallas_kernels.cross_entropy import linear_cross_entropy
+from pallas_kernels.flash_attention import SegmentIds, flash_attention, flash_attention_reference
 
 DRY_RUN = os.environ.get("JAXPERF_GPU_DRY_RUN") == "1"
 
@@ -98,8 +112,6 @@ def _segments(B, L, seed=1):
 @pytest.mark.parametrize("B,L,H,K,Dh,dtype,causal,segments", ATTENTION_CASES,
                          ids=lambda x: getattr(x, "__name__", str(x)))
 def test_flash_attention_matches_reference_on_device(B, L, H, K, Dh, dtype, causal, segments):
-    from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-
     L = _seq(L)
     q, k, v, do = _put(*_attention_inputs(B, L, H, K, Dh, dtype))
     segs = _put(_segments(B, L))[0] if segments else None
@@ -120,9 +132,6 @@ def test_flash_attention_matches_reference_on_device(B, L, H, K, Dh, dtype, caus
 
 def test_fully_masked_query_rows_give_zeros_on_device():
     """A query whose segment appears among no key sees nothing: kernel, reference and XLA path all give zeros."""
-    from jaxperf.models.attention import xla_attention
-    from pallas_kernels.flash_attention import SegmentIds, flash_attention, flash_attention_reference
-
     B, L, H, K, Dh = 1, _seq(256), 4, 2, 64
     q, k, v, _ = _put(*_attention_inputs(B, L, H, K, Dh, jnp.float32, seed=3))
     q_seg = np.zeros((B, L), np.int32)
@@ -143,8 +152,6 @@ def test_fully_masked_query_rows_give_zeros_on_device():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("kind", ["rms_norm", "layer_norm"])
 def test_norm_kernels_match_reference_on_device(kind, dtype):
-    from pallas_kernels import norms
-
     N, D = (64, 256) if DRY_RUN else (4096, 2048)
     kx, kr, ks, kb, kg = jax.random.split(jax.random.key(4), 5)
     x = jax.random.normal(kx, (N, D), jnp.float32).astype(dtype)
@@ -171,8 +178,6 @@ def test_norm_kernels_match_reference_on_device(kind, dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
 def test_fused_cross_entropy_matches_reference_on_device(dtype):
-    from pallas_kernels.cross_entropy import linear_cross_entropy
-
     N, D, V = (128, 64, 1000) if DRY_RUN else (4096, 768, 50257)
     kh, kw, kt, km = jax.random.split(jax.random.key(5), 4)
     h = jax.random.normal(kh, (N, D), jnp.float32).astype(dtype)
@@ -203,8 +208,6 @@ def test_fused_cross_entropy_matches_reference_on_device(dtype):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_cudnn_attention_matches_xla(causal):
-    from jaxperf.models.attention import xla_attention
-
     if not GPUS:
         pytest.skip("cuDNN attention needs an NVIDIA GPU (nothing to dry-run on a CPU)")
     B, L, H, K, Dh = 2, 2048, 16, 4, 128
@@ -227,15 +230,10 @@ def test_cudnn_attention_matches_xla(causal):
 
 
 def _tiny_fp32(extra=()):
-    from jaxperf.config import get_config
-
     return get_config("tiny", ["model.dtype=float32", "batch_size=8", "seq_len=128", *extra])
 
 
 def _task(cfg, device):
-    from jaxperf.parallel.mesh import make_mesh
-    from jaxperf.step.task import build_task
-
     return build_task(cfg, make_mesh(cfg.parallel, devices=[device]))
 
 
@@ -247,8 +245,6 @@ def _batch(cfg, seed=0):
 
 
 def _loss_and_grads(task, params, batch):
-    from jaxperf.parallel.rules import activation_sharding
-
     def f(p):
         with activation_sharding(task.mesh, task.rules):
             return task.loss_fn(task.merge(p), batch)[0]
@@ -292,8 +288,6 @@ def test_train_step_on_device_matches_cpu():
 
 
 def test_checkpoint_saved_from_device_restores_bitwise(tmp_path):
-    from jaxperf.train.checkpoint import Checkpointer
-
     cfg = _tiny_fp32()
     task = _task(cfg, DEVICE)
     state = task.init_state()
@@ -308,13 +302,6 @@ def test_checkpoint_saved_from_device_restores_bitwise(tmp_path):
 
 
 def test_greedy_generation_on_device_matches_cpu():
-    from flax import nnx
-
-    from jaxperf import _compat
-    from jaxperf.config import validate_model
-    from jaxperf.generate import Generator
-    from jaxperf.models import GPT
-
     mcfg = validate_model(_tiny_fp32().model)
     model = GPT(mcfg, rngs=nnx.Rngs(0))
     prompts = [[5, 17, 99, 3], [42] * 9, list(range(1, 30))]

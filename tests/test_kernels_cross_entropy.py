@@ -339,3 +339,21 @@ def test_gpu_lowering_fwd_and_bwd(N, D, V):
 
     text = lower_for_cuda(jax.value_and_grad(loss, argnums=(0, 1)), h, w, t, mask)
     assert gpu_kernel_names(text) == ["linear_cross_entropy_fwd", "linear_cross_entropy_dh", "linear_cross_entropy_dw"]
+
+
+def test_gpu_tiles_shrink_to_fit_shared_memory_or_refuse_a_width_that_cannot():
+    """Triton holds [block_n, D] and [D, block_v] tiles in shared memory (D padded to a power of two): the tiles halve
+    until they fit the budget; a width too wide even at 16 x 16 is refused with the numbers and the fix."""
+    blocks = BlockSizes.get_default("gpu")
+    for D, itemsize, want in ((768, 2, (32, 32)), (768, 4, (16, 16)), (2048, 2, (16, 16)), (64, 4, (64, 128))):
+        cfg = ce._fit(blocks, 4096, D, 50257, "pallas", "gpu", False, itemsize=itemsize)
+        assert (cfg.block_n, cfg.block_v) == want, (D, itemsize)
+        assert ce._gpu_tile_bytes(cfg.block_n, cfg.block_v, cfg.dim_pad, itemsize) <= ce.GPU_SHARED_MEMORY_BUDGET
+        assert cfg.vocab_pad % cfg.block_v == 0 and cfg.rows_pad % cfg.block_n == 0
+    with pytest.raises(ValueError, match=r"D=4096 at 2 bytes .* use impl='xla'"):
+        ce._fit(blocks, 4096, 4096, 50257, "pallas", "gpu", False, itemsize=2)
+    wide = (jax.ShapeDtypeStruct((8, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 256), jnp.bfloat16))
+    assert "shared memory" in unavailable_reason(*wide, backend="gpu")
+    assert unavailable_reason(*wide, backend="tpu") is None  # the limit is Triton's alone
+    # Interpret mode and the xla path keep the tiles they are given.
+    assert ce._fit(blocks, 4096, 768, 50257, "pallas", "gpu", True, itemsize=2).block_n == 64

@@ -41,10 +41,9 @@ from pallas_kernels.flash_attention import unavailable_reason as flash_unavailab
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 # The fp32 logits one device may hold for the loss before "auto" switches to the chunked loss, per accelerator. On
-# TPU the chunked loss costs little and saves much HBM. On GPU its loop of [chunk, V] matmuls is slower than the
-# full logits: measured on an H200 (jax 0.11.2, 2026-11-26), gpt2-small at batch 32 x 1024 (6.6 GB of logits) ran
-# 293k tokens/s chunked and 363k full (+24%, peak 25.3 -> 29.8 GiB), llama-1b at 8 x 2048 (2.1 GB) 67.7k and 70.6k
-# (+4%). So on GPU only logits that would crowd the device are chunked.
+# TPU the chunked loss costs little and saves much HBM. On GPU its loop of [chunk, V] matmuls was slower than the
+# full logits for both presets measured (benchmarks/RESULTS.md, "GPU"), so there only logits that would crowd the
+# device are chunked.
 CHUNKED_LOSS_BYTES = 256 * 2**20
 GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 
