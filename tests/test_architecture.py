@@ -118,3 +118,13 @@ def test_every_flavour_has_a_step_builder_and_train_gets_it_from_step():
 
     assert sorted(registered_flavours()) == sorted(FLAVOURS)
     assert "explicit" not in ALLOWED["train"]
+
+
+def test_the_strategy_names_of_the_config_are_the_rule_tables():
+    """`parallel.strategy` accepts exactly the strategies jaxperf.parallel.rules has a table for."""
+    import typing
+
+    from jaxperf.config.schema import Strategy
+    from jaxperf.parallel.rules import STRATEGIES
+
+    assert set(typing.get_args(Strategy)) == set(STRATEGIES)

@@ -71,10 +71,11 @@ from jaxperf import _compat
 from jaxperf.config import ConfigError
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.parallel.mesh import compiling_for, platform_of
+from jaxperf.parallel.pipeline import split_microbatches
 from jaxperf.parallel.rules import logical_to_spec
 from jaxperf.parallel.sharding import replicated
 from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour, register_flavour
-from jaxperf.step.task import LossFn, Task, TrainState, finish_step
+from jaxperf.step.task import LossFn, Task, TrainState, accumulate_microbatches, finish_step
 
 PMAP_AXIS = "replica"  # the axis name the pmap step reduces over
 TENSOR_AXIS = "tensor"
@@ -285,20 +286,14 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
         raise ConfigError(f"each device holds {rows} rows of the batch, which do not split into microbatches="
                           f"{microbatches}: make batch_size a multiple of microbatches * the data-parallel size")
 
-    def split_bxk(x):  # [b, ...] -> [k, b/k, ...]: microbatch i takes local rows i, i+k, i+2k...
-        x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-        return jnp.swapaxes(x, 0, 1)
-
-    def body(carry, mb):
-        g_sum, w_sum, l_sum, ms = carry
+    def grads_of(ms, mb):
         loss, w, _, ms, g = task._grads(scaled_loss, params, ms, mb, scale, hooks)
-        lw, gw = weigh(loss, w, g)
-        return (jax.tree.map(jnp.add, g_sum, gw), w_sum + w, l_sum + lw, ms), None
+        return loss, w, ms, g
 
+    # Microbatch i takes this device's rows i, i+k, i+2k...
     zeros = jax.tree.map(lambda p: _varying_like(jnp.zeros(p.shape, p.dtype), p), params)
-    init = (zeros, zero, zero, model_state)
-    (g, w, l, model_state), _ = lax.scan(body, init, jax.tree.map(split_bxk, batch))
-    return g, w, l, model_state
+    return accumulate_microbatches(grads_of, jax.tree.map(lambda x: split_microbatches(x, microbatches), batch),
+                                   zeros, zero, model_state, weigh=weigh)
 
 
 def _loss_scale(task: Task, state: TrainState):

@@ -36,13 +36,6 @@ def _stacked_blocks(model) -> tuple[nnx.GraphDef, Any]:
     return graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
 
 
-def _microbatches(x_Bx: jax.Array, n_micro: int) -> jax.Array:
-    """[B, ...] -> [M, B / M, ...] with microbatch m taking rows m, m + M, m + 2M...: every microbatch stays spread
-    over all the devices the batch is split over."""
-    x = x_Bx.reshape(x_Bx.shape[0] // n_micro, n_micro, *x_Bx.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
-
-
 def pipeline_loss(model: GPT, batch: dict[str, jax.Array], mesh: Mesh, n_micro: int, axis: str = "stage", *,
                   schedule: str = "gpipe") -> tuple[jax.Array, dict[str, jax.Array]]:
     """`GPT.next_token_loss` (fp32 logits) with the blocks pipelined over `axis` in `n_micro` microbatches.
@@ -94,7 +87,7 @@ def pipeline_loss(model: GPT, batch: dict[str, jax.Array], mesh: Mesh, n_micro: 
         nll = jax.nn.logsumexp(logits, axis=-1) - target
         return jnp.sum(nll * m_BxL), jnp.sum(m_BxL)
 
-    micro = lambda a: _microbatches(a, n_micro)  # noqa: E731
+    micro = lambda a: split_microbatches(a, n_micro)  # noqa: E731
     total, count = pipeline_value(
         stage_fn, last_fn, block_state, (norm_state, model.output_weights()), micro(x_BxLxD), (micro(targets),
         micro(mask)), positions_L, mesh=mesh, axis=axis, schedule=schedule)

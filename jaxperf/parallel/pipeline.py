@@ -163,14 +163,16 @@ def scan_stage(layer_fn: Callable[[Any, jax.Array], jax.Array]) -> Callable[[Any
 
 
 def split_microbatches(x_Bx: jax.Array, n_micro: int) -> jax.Array:
-    """[B, ...] -> [M, B / M, ...] (microbatch m holds rows [m B / M, (m + 1) B / M)); ValueError unless M divides B."""
+    """[B, ...] -> [M, B / M, ...], microbatch m taking rows m, m + M, m + 2M...: where the batch is split over
+    devices, every microbatch keeps rows of every device (contiguous blocks would leave a microbatch on a few of
+    them). The one splitter of the train steps, the shard_map steps and the pipeline. ValueError unless M divides B."""
     B = x_Bx.shape[0]
     if n_micro < 1 or B % n_micro:
         raise ValueError(
             f"batch size {B} does not split into {n_micro} microbatches: use a microbatch count that divides {B} "
             f"or a batch size that is a multiple of {n_micro}"
         )
-    return x_Bx.reshape(n_micro, B // n_micro, *x_Bx.shape[1:])
+    return jnp.swapaxes(x_Bx.reshape(B // n_micro, n_micro, *x_Bx.shape[1:]), 0, 1)
 
 
 # --------------------------------------------------------------------------------------------------------------------

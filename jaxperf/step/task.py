@@ -34,6 +34,7 @@ from jaxperf.models.pipelined import gpt_loss
 from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import for_platform
 from jaxperf.parallel.mesh import platform_of
+from jaxperf.parallel.pipeline import split_microbatches
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
 from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
@@ -284,9 +285,7 @@ class Task:
         grad_constraint = lambda g: jax.lax.with_sharding_constraint(g, self.param_shardings)  # noqa: E731
 
         def split_micro(x):
-            # Microbatch i takes rows i, i+k, i+2k...: every microbatch stays spread over all data-parallel devices.
-            x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
-            x = jnp.swapaxes(x, 0, 1)
+            x = split_microbatches(x, microbatches)  # each microbatch keeps rows of every data-parallel device
             spec = logical_to_spec((None, "batch") + (None,) * (x.ndim - 2), self.rules.activations, self.mesh)
             return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
@@ -299,18 +298,13 @@ class Task:
                     total_w, total_loss = weight, loss * weight
                     grads = jax.tree.map(lambda g: g * weight, grads)
                 else:
-                    micro = jax.tree.map(split_micro, batch)
+                    def grads_of(ms, mb):
+                        loss, w, _, ms, g = self._grads(scaled_loss, state.params, ms, mb, scale)
+                        return loss, w, ms, g
 
-                    def body(carry, mb):
-                        g_sum, w_sum, l_sum, ms = carry
-                        loss, w, aux, ms, g = self._grads(scaled_loss, state.params, ms, mb, scale)
-                        g_sum = jax.tree.map(lambda a, b: a + b * w, g_sum, g)
-                        return (grad_constraint(g_sum), w_sum + w, l_sum + loss * w, ms), None
-
-                    zeros = jax.tree.map(jnp.zeros_like, state.params)
-                    init = (grad_constraint(zeros), jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-                            state.model_state)
-                    (grads, total_w, total_loss, model_state), _ = jax.lax.scan(body, init, micro)
+                    grads, total_w, total_loss, model_state = accumulate_microbatches(
+                        grads_of, jax.tree.map(split_micro, batch), jax.tree.map(jnp.zeros_like, state.params),
+                        jnp.zeros((), jnp.float32), state.model_state, constrain=grad_constraint)
                 grads = grad_constraint(jax.tree.map(lambda g: g / (total_w * scale), grads))
                 loss = total_loss / (total_w * scale)
             return finish_step(tx, opts, state, grads, loss, total_w, model_state, schedule)
@@ -335,6 +329,37 @@ class Task:
 
         return jax.jit(step, in_shardings=(self.state_shardings(), self.batch_sharding()),
                        out_shardings=replicated(self.mesh))
+
+
+def _weighted(loss, w, grads):
+    return loss * w, jax.tree.map(lambda g: g * w, grads)
+
+
+def accumulate_microbatches(grads_of, micro_batches, zero_grads, zero, model_state, *, weigh=_weighted,
+                            constrain=lambda g: g):
+    """(sum of grads x w, sum of w, sum of loss x w, model state) over k microbatches, in one scan: gradient
+    accumulation, as every step flavour runs it.
+
+    Args:
+      grads_of: `(model_state, microbatch) -> (loss, weight, model_state, grads)` of one microbatch.
+      micro_batches: a pytree whose leaves lead with the microbatch axis k (jaxperf.parallel.pipeline
+        .split_microbatches).
+      zero_grads, zero: the accumulators' start (zeros shaped like the gradients, a scalar zero), as the caller needs
+        them placed or typed.
+      weigh: `(loss, w, grads) -> (loss x w, grads x w)` of one microbatch (a step whose loss is already weighted
+        passes them through).
+      constrain: applied to the running gradient sum (a sharding constraint).
+    """
+
+    def body(carry, mb):
+        g_sum, w_sum, l_sum, ms = carry
+        loss, w, ms, g = grads_of(ms, mb)
+        lw, gw = weigh(loss, w, g)
+        return (constrain(jax.tree.map(jnp.add, g_sum, gw)), w_sum + w, l_sum + lw, ms), None
+
+    (grads, w, loss, model_state), _ = jax.lax.scan(body, (constrain(zero_grads), zero, zero, model_state),
+                                                    micro_batches)
+    return grads, w, loss, model_state
 
 
 def step_microbatches(cfg: TrainConfig) -> int:
