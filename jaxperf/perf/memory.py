@@ -7,88 +7,13 @@
     live_device_memory()                      # the runtime's counters (GPU/TPU), None on CPU
 
 The estimate is a model of the jaxperf train step, per device, for the platform it is compiled for (a TPU topology
-described on a CPU host is "tpu"). The model config is first settled for that platform as the step settles it
-(jaxperf.models.platform: for_platform and the implementation table), so "auto" attention and loss become the
-implementations that will run.
-Every platform shares:
-
-  params       every parameter in param_dtype, divided by the mesh axes its sharding rule maps it onto (FSDP: the
-               fsdp axis along `embed`; TP: the tensor axis along heads/mlp/vocab; DP: whole on every device)
-  opt_state    AdamW's two moments, same dtype and sharding as the parameters (optax keeps mu/nu in the param dtype)
-  grads        one gradient tree like the parameters; with microbatches > 1 a second one (the accumulator)
-  batch        the step's input arrays (inputs, targets int32 and mask fp32) for the whole batch, sharded like it
-  gathered     FSDP all-gathers one layer's weights (and their gradients) in full at a time
-  activations  what the backward pass needs from the forward pass of one microbatch, and the largest working set
-               on top of it. The batch is split over data*fsdp, heads/mlp/vocab over tensor, the sequence over seq
-               (and the residual stream over tensor with sequence_parallel). With stage > 1: the stage's layers
-               only, one pipeline microbatch at a time, plus the stage inputs the schedule stashes
-               (jaxperf.parallel.pipeline.schedule_ticks).
-  code         the compiled program: a constant on TPU/GPU (ACCELERATOR_CODE_BYTES), 0 on CPU (not compared there)
-
-TPU and GPU (compiled by XLA's accelerator backends, checked against the TPU compiler): the activations are
-
-  saved        n_layers x what one layer keeps for its backward, read off the program itself: the residuals of
-               `jax.vjp` of one layer (the per-device layer: its heads and MLP columns split over tensor) under the
-               remat policy, traced abstractly, as XLA holds them (identical values merged, boolean masks and the
-               softmax numerator recomputed; `_residuals`). So the remat policy, the attention implementation (the
-               XLA attention keeps [H, L, L] scores, fp32, and probabilities; the Pallas kernel q, k, v, its output
-               and the fp32 log-sum-exp), the norms and the MLP are modelled by what they actually save.
-  + the working sets that follow the forward pass: the larger of the two with the "xla" loss, both with the
-    "chunked" and "pallas" losses (they run loops whose working set the TPU compiler of libtpu 0.0.42 and 0.0.50,
-    those jax 0.10.2 and 0.12.0.1 pin, reports on top of the layers'). From libtpu 0.0.52 the TPU compiler gives the
-    loss's working set the addresses the weight gradients and the gathered layer weights take later, so there it is
-    the larger of the loss's working set and the layer's plus those two (`tpu_compiler_overlaps_loss`)
-    loss       "xla" and "pallas": the output weights gathered whole in the compute dtype (and a transposed copy)
-               with their fp32 gradient, D x V x (4 + 2s), plus for "xla" the [tokens, V] logits in the compute
-               dtype (XLA fuses the fp32 softmax and its gradient into the ops that read them) and for "pallas" the
-               fp32 gradient of the [tokens, D] hidden states (the kernel's tiles live in on-chip memory);
-               "chunked": the output weights gathered, their gradient and its reduction in the compute dtype,
-               D x V x 3s (dw is summed in fp32 one vocabulary block at a time), the forward's [1024, V] fp32
-               logits tile (whose buffer the backward's fp32 dh reuses), the backward's [1024, block] tile and
-               [D, block] fp32 accumulator
-    layer      one layer's backward: what it recomputes beyond what the policy saved (the layer's residuals
-               without remat minus those with it), and for the XLA attention the [H, L, L] gradients: the scores'
-               in fp32, plus the probabilities' in the compute dtype where the policy saved the probabilities
-               (none), plus the probabilities recomputed in fp32 where it saved only the scores (save_dots);
-               flash attention's backward works in on-chip memory
-  On TPU the Pallas attention's q, k, v and output are padded to 128 lanes along head_dim (the kernel's layout).
-  + with k layers per scan iteration (`model.scan_unroll=k`), for each layer after the first, shares of its
-    recomputed activations and of the XLA attention's gradient buffers, measured per TPU compiler (UNROLL_SHARES):
-    the backward of an iteration slices k layers' saved arrays out of the scan's stack at once. A Python loop over
-    the layers (`scan_layers=false`) is modelled as one layer per iteration.
-  With a Python loop, XLA sees the whole program and recomputes elementwise values in the backward's fusions: a
-  residual made by elementwise ops (a norm's fp32 intermediates, a tanh GELU's) counts as the values its chain
-  starts from, unless a matmul reads it (`_residuals(fused=True)`), in `saved` and in `layer` alike; a layer's
-  saved arrays are freed as its backward reads them, so `layer` counts only what exceeds them; and FSDP gathers the
-  unstacked layers one at a time, as it does the stacked ones. The program's code grows by 10-20 MiB per layer on
-  TPU there (measured), which the constant below leaves out.
-
-Not modelled on TPU: XLA's memory-space assignment moves small temporaries into on-chip memory (a step of a few
-MiB, like the tiny preset's, needs far less HBM than estimated), and the compiler's reported temporaries exceed its
-own buffer assignment by a few percent at full depth and by 30-50% for models cut to 2 layers (docs/performance.md).
-
-CPU (XLA:CPU, which keeps more of the softmax and reuses fewer buffers): the activations are per token and layer
-what the remat policy saves (below), one layer's full working set while it is recomputed / differentiated, and the
-fp32 logits of the loss with their gradient. Saved per token and layer (s = compute dtype bytes; the XLA attention
-keeps scores (masked in place), probabilities and their gradient in fp32, L x H each):
-
-  none / save_dots      block input, norms, q, k, v, attention scores and probabilities, attention output, residual,
-                        MLP hidden (and gate) and its activation: ~ s*(6D + (H+2K)Dh + H Dh + 3F) + 12 H L
-  save_dots_no_batch    block input, q, k, v, the two output projections, MLP hidden (and gate)
-  save_attn_proj        block input, q, k, v, attention output, MLP output
-  full                  block input only
-
-It is an estimate: XLA fuses elementwise work and reuses buffers, so the compiled program can need less (or some
-scratch more). On CPU remat is modelled as it behaves under a rolled scan (`scan_layers`, `scan_unroll=1`), where
-each iteration recomputes one layer; with the layers unrolled XLA:CPU schedules the whole stack at once and remat
-may save nothing, so use `scan_unroll=1` where remat is meant to save memory (docs/cpu_hosts.md has the figures;
-docs/performance.md what k layers per iteration cost on TPU).
-
-tests/test_perf.py checks the CPU model against `compiled_memory` of the real step on the CPU mesh (argument + temp
-bytes, within 25%); tests/test_memory_tpu.py the accelerator model against the TPU compiler (libtpu, on this CPU
-host) for every preset on a v5p and a v6e slice (arguments + temporaries + code, within 10%, with the libtpu the
-installed jax pins; docs/performance.md has the figures per compiler);
-benchmarks/bench_memory_estimate.py prints the full-size figures (docs/performance.md has the table).
+described on a CPU host is "tpu"), after the model config is settled for that platform as the step settles it
+(jaxperf.models.platform), so "auto" attention and loss become the implementations that will run. Its parts:
+params, opt_state, grads, batch, gathered (FSDP's one gathered layer), activations (what the backward keeps from
+the forward, read off `jax.vjp` of one layer under the remat policy, plus the largest working set on top) and code.
+docs/performance.md ("How the memory estimate is made") says what each part counts on TPU, GPU and CPU, and what is
+not modelled; tests/test_perf.py checks the CPU model against the compiled step, tests/test_memory_tpu.py the
+accelerator model against the TPU compiler, benchmarks/gpu_check.py against a GPU's allocator.
 """
 
 from __future__ import annotations
