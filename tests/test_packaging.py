@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -37,3 +38,13 @@ def test_jaxperf_bench_runs_from_an_installed_wheel(tmp_path):
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert records and all(r["benchmark"] == "async_dispatch" and "error" not in r for r in records), records
+
+
+def test_the_readme_stays_a_guide():
+    """A user reads the README in ten minutes: at most 150 lines; depth and dated figures live in docs/ and
+    benchmarks/RESULTS.md, and every document it links to exists."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text):
+        assert (root / link).exists(), link
