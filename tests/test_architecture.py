@@ -13,6 +13,7 @@ PACKAGE = ROOT / "jaxperf"
 # What each part of jaxperf may import (besides itself). The same table is in docs/ARCHITECTURE.md.
 ALLOWED = {
     "_compat": set(),
+    "checkpoint": set(),
     "config": set(),
     "data": {"config"},
     "parallel": {"_compat", "config"},
@@ -20,11 +21,11 @@ ALLOWED = {
     "perf": {"_compat", "config", "parallel", "models"},
     "step": {"_compat", "config", "parallel", "models", "perf"},
     "explicit": {"_compat", "config", "parallel", "models", "step"},
-    "train": {"_compat", "config", "data", "parallel", "models", "perf", "step", "interop"},
-    "generate": {"_compat", "config", "data", "parallel", "models", "perf", "step", "train"},
+    "train": {"_compat", "checkpoint", "config", "data", "parallel", "models", "perf", "step", "interop", "generate"},
+    "generate": {"_compat", "checkpoint", "config", "data", "parallel", "models", "perf", "step"},
     "interop": {"_compat", "config", "data", "parallel", "models", "step"},
-    "cli": {"_compat", "config", "data", "parallel", "models", "perf", "step", "explicit", "train", "generate",
-            "interop"},
+    "cli": {"_compat", "checkpoint", "config", "data", "parallel", "models", "perf", "step", "explicit", "train",
+            "generate", "interop"},
     "": {"config", "models", "step", "train", "explicit"},  # jaxperf/__init__.py: the public names; explicit registers
     # the shard_map and pmap step flavours
 }
@@ -118,6 +119,7 @@ def test_every_flavour_has_a_step_builder_and_train_gets_it_from_step():
 
     assert sorted(registered_flavours()) == sorted(FLAVOURS)
     assert "explicit" not in ALLOWED["train"]
+    assert "train" not in ALLOWED["generate"]  # generation restores parameters through jaxperf.checkpoint
 
 
 def test_the_strategy_names_of_the_config_are_the_rule_tables():

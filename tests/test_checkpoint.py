@@ -1,4 +1,4 @@
-"""Tests for jaxperf.train.checkpoint: exact round trips, async commit, retention, restore onto other meshes, errors."""
+"""Tests for jaxperf.checkpoint: exact round trips, async commit, retention, restore onto other meshes, errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxperf.train.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, checksums
+from jaxperf.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, checksums
 
 
 def _mesh(shape, names, n=None):

@@ -25,7 +25,7 @@ from jaxperf.generate import Generator
 from jaxperf.interop._safetensors import write_shards
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.step.task import build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.pretrained import InitSource, checkpoint_kind
 from jaxperf.train.trainer import Trainer
 

@@ -16,7 +16,7 @@ from jaxperf.explicit.flavours import build_train_step
 from jaxperf.models import GPT
 from jaxperf.models.pipelined import gpt_loss
 from jaxperf.step.task import Task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 # 2 scanned layers, 4 heads of 8, mlp 128, vocab 256, fp32 for tight comparisons.

@@ -31,7 +31,7 @@ from jaxperf.models.attention import xla_attention
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import activation_sharding
 from jaxperf.step.task import build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from pallas_kernels import norms
 from pallas_kernels.cross_entropy import linear_cross_entropy
 from pallas_kernels.flash_attention import SegmentIds, flash_attention, flash_attention_reference

@@ -10,7 +10,7 @@ from helpers import make_task
 from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, get_config
 from jaxperf.models.pipelined import gpt_loss
 from jaxperf.step.health import HealthOptions
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 MODEL = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16)

@@ -19,7 +19,7 @@ from jaxperf.generate import Generator
 from jaxperf.generate.quantize import QUANT_FILE, quantize_run, split_scales
 from jaxperf.models import GPT
 from jaxperf.models.quant import Int8Weight, quantize_int8, quantize_params, tree_bytes
-from jaxperf.train.checkpoint import Checkpointer, CorruptCheckpointError
+from jaxperf.checkpoint import Checkpointer, CorruptCheckpointError
 
 # int8 logits of a model at the default init (weights of a trained model's scale) stay within this fraction of the
 # spread (standard deviation) of its fp32 logits, at every position.

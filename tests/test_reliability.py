@@ -20,7 +20,7 @@ import pytest
 from helpers import SMALL_RUN, cli_env, finish, metrics_by_step, run_cli, start_pair, start_train, wait_for_steps
 
 from jaxperf.config import get_config
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 RUN = [*SMALL_RUN, "optim.decay_steps=50"]

@@ -29,7 +29,7 @@ import pytest
 from helpers import SMALL_RUN, cli_env, losses, run_cli, start_train, wait_for_steps
 
 from jaxperf import cli
-from jaxperf.train.checkpoint import Checkpointer, CheckpointPermissionError, CorruptCheckpointError
+from jaxperf.checkpoint import Checkpointer, CheckpointPermissionError, CorruptCheckpointError
 from jaxperf.train.rundir import LOCK_NAME
 
 RUN = [*SMALL_RUN, "optim.decay_steps=50", "compile_cache_dir="]
@@ -261,7 +261,7 @@ def test_an_unreadable_step_is_a_permission_error_and_nothing_is_moved(shared_di
         ckpt.save(2, _tree(2), metadata={"data_step": 2})
     subprocess.run(["chmod", "-R", "a+rwX", str(shared_dir / "ck")], check=True)
     (shared_dir / "ck" / "2").chmod(0o000)
-    probe = ("import jax, numpy as np\nfrom jaxperf.train.checkpoint import Checkpointer, CheckpointPermissionError\n"
+    probe = ("import jax, numpy as np\nfrom jaxperf.checkpoint import Checkpointer, CheckpointPermissionError\n"
              "t = {'params': {'w': jax.ShapeDtypeStruct((64, 32), np.float32)}, 'step': np.int32(0)}\n"
              f"c = Checkpointer({str(shared_dir / 'ck')!r})\n"
              "try:\n    c.restore_latest(t)\nexcept CheckpointPermissionError as e:\n    print('PERM', e)\n")

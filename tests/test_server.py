@@ -538,7 +538,7 @@ def test_cli_serve_runs_replicas_and_answers_v1(tmp_path):
     import sys
 
     from jaxperf.config import get_config, to_dict, validate_model
-    from jaxperf.train.checkpoint import Checkpointer
+    from jaxperf.checkpoint import Checkpointer
     from helpers import cli_env, free_port
 
     cfg = get_config("tiny", ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32"])

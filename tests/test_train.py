@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import SMALL_RUN, fixed_batch, losses as run_losses, make_task, run_cli
 from jaxperf.config import ConfigError, OptimConfig, ParallelConfig, from_dict, get_config
 from jaxperf.step.task import next_token_loss
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
 

@@ -20,7 +20,7 @@ from jaxperf.generate.quantize import is_quantized_dir
 from jaxperf.generate.scheduler import replica_meshes
 from jaxperf.generate.server import create_app
 from jaxperf.interop import HFCheckpointError
-from jaxperf.train.checkpoint import CorruptCheckpointError
+from jaxperf.checkpoint import CorruptCheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from jaxperf.config import ConfigError, TrainConfig, get_config
 from jaxperf.config.overrides import keys, parse_overrides, resolve_key
 from jaxperf.data.loader import DataError
 from jaxperf.parallel import distributed
-from jaxperf.train.checkpoint import CheckpointPermissionError, CheckpointSaveError, IncompatibleCheckpointError
+from jaxperf.checkpoint import CheckpointPermissionError, CheckpointSaveError, IncompatibleCheckpointError
 from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import RunDirError
 from jaxperf.train.trainer import Trainer

@@ -199,7 +199,7 @@ class TrainConfig:
     init_from: str | None = None
     resume: bool = True  # continue from the newest checkpoint in run_dir
     start_over: bool = False  # move an earlier run in run_dir to run_dir/previous/<time>/ and start from step 0
-    sample_tokens: int = 200  # length of the text sample printed at the end (0 = none)
+    sample_tokens: int = 200  # tokens of the text sample printed at the end, at most the model's context (0 = none)
     sample_prompt: str = "def "
     tensorboard: bool = True  # also write TensorBoard events when tensorboardX is installed
     skip_nonfinite: bool = True  # a step with a non-finite loss or gradient leaves the state untouched (counted)

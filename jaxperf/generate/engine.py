@@ -60,7 +60,7 @@ from jaxperf.models.layers import dense
 from jaxperf.models.quant import Int8Weight, is_int8, quantize_params, scale_axes
 from jaxperf.parallel.rules import Rules, activation_sharding, constrain, get_rules, logical_to_spec
 from jaxperf.step.task import build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 
 PAD_ID = 0
 NO_TOKEN = -1  # in decode's output buffer: the row produced nothing at that step

@@ -37,7 +37,7 @@ from jaxperf.data import datasets_for, tokenizer_for
 from jaxperf.models.gpt import cross_entropy_from_logits
 from jaxperf.models.quant import QUANTIZED, Int8Weight, check_scales, is_int8, quantize_params, tree_bytes
 from jaxperf.step.task import build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 
 QUANT_FILE = "quantization.json"
 SCHEME = "int8 weight-only, symmetric, one fp32 scale per output channel (absmax / 127)"

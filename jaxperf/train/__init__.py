@@ -1,7 +1,7 @@
 """Training runs: the Trainer loop, its checkpoints, starting from existing weights (`init_from`) and exporting them
 again (`export_run`), and compiling a run's step for a TPU slice."""
 
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.pretrained import export_run
 from jaxperf.train.trainer import Trainer
 

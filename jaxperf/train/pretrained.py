@@ -38,7 +38,7 @@ from jaxperf.data import HFTokenizer, special_token_ids, tokenizer_for
 from jaxperf.interop import RUNTIME_FIELDS, export_hf, hf_model_config, load_hf_params, read_generation_config
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.step.task import Task, TrainState, build_task
-from jaxperf.train.checkpoint import Checkpointer
+from jaxperf.checkpoint import Checkpointer
 
 # Model fields a run's own checkpoint fixes beyond the Hugging Face ones: the saved tree has their layout and dtype.
 _RUN_FIXED = ("scan_layers", "param_dtype")

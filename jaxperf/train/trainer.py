@@ -29,6 +29,7 @@ from jax.experimental import multihost_utils
 
 from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
 from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
+from jaxperf.generate import Generator
 from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.models.platform import implementation_choices
@@ -41,7 +42,7 @@ from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hostmem import host_memory
 from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
 from jaxperf.step.task import LossFn, TrainState, build_task, step_microbatches
-from jaxperf.train.checkpoint import Checkpointer, NoIntactCheckpointError
+from jaxperf.checkpoint import Checkpointer, NoIntactCheckpointError
 from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
 from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
@@ -298,29 +299,15 @@ class Trainer:
         return pipeline_describe(spec.schedule, shape["stage"], spec.n_micro, nbytes)
 
     def sample(self, state: TrainState, prompt: str, n_tokens: int, *, temperature: float = 0.8, seed: int = 0) -> str:
-        """Text from the trained model (full recomputation over a fixed window: one compilation, no KV cache)."""
+        """The prompt and up to `n_tokens` tokens after it from the trained model, through the generation engine
+        (jaxperf.generate: KV cache, the model's context as the limit), on one device."""
         if self.tokenizer is None or self.custom_model:
             raise ValueError("sampling needs the built-in GPT and a tokenizer")
-        window = self.cfg.train_seq_len  # a checkpoint's max_seq_len can be far longer than the run's sequences
-        vocab = self.tokenizer.vocab_size
-        task = self.task
-
-        @jax.jit
-        def next_token(params, tokens_1xW, pos, key):
-            # On one device: none of the step's hooks (pipeline, ring, sequence parallelism) apply.
-            logits = task.merge(params, hooks=LayerHooks())(tokens_1xW)[0, pos].astype(jnp.float32)[:vocab]
-            return jax.random.categorical(key, logits / temperature)
-
-        ids = [int(t) for t in self.tokenizer.encode(prompt)] or [0]
-        key = jax.random.key(seed)
-        params = jax.device_put(jax.device_get(state.params))  # gathered onto one device: a small model
-        for _ in range(n_tokens):
-            ctx = ids[-window:]
-            buf = np.zeros((1, window), np.int32)
-            buf[0, : len(ctx)] = ctx
-            key, sub = jax.random.split(key)
-            ids.append(int(next_token(params, jnp.asarray(buf), len(ctx) - 1, sub)))
-        return self.tokenizer.decode(np.asarray(ids, np.int64))
+        params = jax.device_get(state.params)  # gathered whole: a collective when the run spans processes
+        # On one device: none of the step's hooks (pipeline, ring, sequence parallelism) apply.
+        gen = Generator(self.task.merge(params, hooks=LayerHooks()), self.tokenizer)
+        out = gen.generate([prompt], max_tokens=max(int(n_tokens), 1), temperature=temperature, seed=seed)[0]
+        return prompt + out.text
 
 
 class Loop:
