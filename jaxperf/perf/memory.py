@@ -24,6 +24,8 @@ import importlib.metadata
 import math
 import re
 import types
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
@@ -59,9 +61,36 @@ def _settled(cfg: TrainConfig, shape: dict[str, int], platform: str) -> ModelCon
     return dataclasses.replace(model, **changes)
 
 
-# The compiled train step's own instructions in device memory. Not derivable from the config; the TPU compiler
-# (libtpu 0.0.42) emits 9-30 MiB per chip for the presets' steps (more for wider models), so a middle value is taken.
-ACCELERATOR_CODE_BYTES = 24 * 2**20
+@dataclasses.dataclass(frozen=True)
+class Fitted:
+    """A constant of the estimate read off a compiler rather than derived from the config, with the measurement it
+    came from (docs/performance.md has the runs)."""
+
+    value: Any
+    measured: str
+
+
+FITTED: dict[str, Fitted] = {
+    "accelerator_code_bytes": Fitted(
+        24 * 2**20,
+        "the compiled train step's own instructions in device memory: the TPU compiler (libtpu 0.0.42) emits 9-30 MiB "
+        "per chip for the presets' steps (more for wider models); a middle value"),
+    "loss_overlap_libtpu": Fitted(
+        (0, 0, 52),
+        "the libtpu from which the TPU compiler places the loss's working set where the weight gradients and the "
+        "gathered layer weights later go: seen with 0.0.52; 0.0.42.1 and 0.0.50.1 (what jax 0.10.2 and 0.12.0.1 pin "
+        "for their tpu extra) keep them apart"),
+    "unroll_shares": Fitted(
+        {False: (0.4, 1.2), True: (0.3, 0.5)},
+        "with k layers per scan iteration, what the TPU compiler holds for each layer beyond the first, as shares of "
+        "(one layer's recomputed activations, the XLA attention's [H, L, L] gradient buffers), keyed by whether the "
+        "compiler is libtpu 0.0.52 or later: its buffer report shows the backward slicing k layers' saved arrays out "
+        "of the scan's stack at once and giving each layer's fp32 attention gradients buffers of their own; v5p, "
+        "gpt2-medium and llama-1b (XLA attention under save_dots, Pallas attention under remat full), k = 1, 2, 4"),
+}
+ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
+LOSS_OVERLAP_LIBTPU = FITTED["loss_overlap_libtpu"].value
+UNROLL_SHARES = FITTED["unroll_shares"].value
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -206,11 +235,6 @@ def _platform(mesh, platform: str | None) -> str:
     return platform_of(mesh) if isinstance(mesh, Mesh) else normalize_platform(jax.default_backend())
 
 
-# The libtpu from which on the TPU compiler places the loss's working set where the weight gradients and the gathered
-# layer weights later go (measured with 0.0.52; 0.0.42.1 and 0.0.50.1, the ones jax 0.10.2 and 0.12.0.1 pin for their
-# "tpu" extra, keep them apart).
-LOSS_OVERLAP_LIBTPU = (0, 0, 52)
-
 
 def _release(version: str) -> tuple[int, ...]:
     """"0.12.0.1" -> (0, 12, 0, 1); stops at the first piece that does not start with a digit ("0.13.0rc1" ->
@@ -226,13 +250,6 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-# Several layers per scan iteration (`model.scan_unroll=k`): what the TPU compiler holds for each layer of an iteration
-# beyond the first, as fractions of (one layer's recomputed activations, the XLA attention's [H, L, L] gradient
-# buffers). Its buffer report shows why both grow: the backward of an iteration slices k layers' saved arrays out of
-# the scan's stack at once, and gives each layer's fp32 attention gradients buffers of their own. Measured on v5p
-# with gpt2-medium and llama-1b (XLA attention under save_dots; Pallas attention under remat full) at k = 1, 2 and 4
-# (docs/performance.md), per compiler: libtpu before 0.0.52, and from 0.0.52 on, which shares more of it.
-UNROLL_SHARES = {False: (0.4, 1.2), True: (0.3, 0.5)}
 
 
 @functools.cache
