@@ -8,7 +8,7 @@ import pytest
 
 from helpers import make_task
 from jaxperf.config import ModelConfig, OptimConfig, ParallelConfig, get_config
-from jaxperf.models.pipelined import gpt_loss
+from jaxperf.models.gpt import gpt_loss
 from jaxperf.step.health import HealthOptions
 from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer

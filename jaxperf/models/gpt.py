@@ -17,23 +17,15 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
-from jaxperf.models.layers import Block, Norm, _param, dense, embed_lookup
-from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
+from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup
+from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
+from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
 from jaxperf.models.platform import layers_per_iteration, loss_choice
 from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.rules import activation_spec, constrain, current
 
 # Logical axes of one layer's KV cache [B, K, S, Dh]: rows follow the batch (data axes), KV heads the tensor axis.
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
-
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "save_attn_proj": jax.checkpoint_policies.save_only_these_names("attn_proj", "attn_out", "mlp_out"),
-}
-
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     """N layers created at once: every parameter gets a leading `layers` axis."""
@@ -242,3 +234,15 @@ def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:
         total -= r.padded_vocab * r.d_model * (1 if r.tie_embeddings else 2)
         total -= r.max_seq_len * r.d_model if r.position == "learned" else 0
     return int(total)
+
+
+def gpt_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The built-in GPT's train loss (a `LossFn` for jaxperf.step.Task): with the tokens in zigzag order when the
+    model's hooks carry a ContextSpec, pipelined when they carry a PipelineSpec, else `model.next_token_loss`."""
+    context: ContextSpec | None = model.hooks.context
+    if context is not None and context.layout == "zigzag":
+        batch = zigzag_batch(batch, context.n)
+    spec: PipelineSpec | None = model.hooks.pipeline
+    if spec is None:
+        return model.next_token_loss(batch)
+    return pipeline_loss(model, batch, spec.mesh, spec.n_micro, spec.axis, schedule=spec.schedule)

@@ -51,7 +51,7 @@ class LayerHooks:
       layer runs, once per layer and per forward pass.
     row_parallel: applied to the output of each row-parallel matmul (attention output and MLP output projections)
       before its bias is added.
-    pipeline: when set, the loss runs the layer stack as a pipeline (jaxperf.models.pipelined.gpt_loss).
+    pipeline: when set, the loss runs the layer stack as a pipeline (jaxperf.models.gpt.gpt_loss).
     context: when set, attention runs as a ring over the sequence split (context parallelism).
     sequence_parallel: when set (to the mesh), the column- and row-parallel matmuls gather and scatter the sequence
       over `tensor` with collective matmuls (jaxperf.parallel.collective_matmul).

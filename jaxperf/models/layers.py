@@ -29,6 +29,16 @@ from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 Axes = tuple[str | None, ...]
 
 
+# What each `model.remat` policy saves for the backward (the names are the layers' checkpoint_name tags).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "save_attn_proj": jax.checkpoint_policies.save_only_these_names("attn_proj", "attn_out", "mlp_out"),
+}
+
+
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: Axes, dtype) -> nnx.Param:
     """A parameter annotated with logical axes. Placement on devices happens later, through jit out_shardings."""
     with no_eager_sharding():

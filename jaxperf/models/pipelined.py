@@ -5,26 +5,28 @@
 The embedding runs before the pipeline as an ordinary (GSPMD) op; the blocks run per stage; the last stage applies the
 final norm, the output projection and the cross-entropy to each microbatch as soon as it arrives, so the backward of a
 microbatch can start right away (jaxperf.parallel.pipeline.pipeline_value has the schedules). Every other mesh axis
-(data, fsdp, seq, tensor) keeps its sharding inside a stage. `gpt_loss` is the loss the train step uses for the
-built-in GPT: pipelined when the model's hooks carry a `PipelineSpec` (the step sets it for meshes with stage > 1).
+(data, fsdp, seq, tensor) keeps its sharding inside a stage. `jaxperf.models.gpt.gpt_loss`, the loss the train
+step uses for the built-in GPT, runs it when the model's hooks carry a `PipelineSpec` (the step sets it for meshes
+with stage > 1).
 
 Legend: M microbatches, B rows, b = B / M rows per microbatch, L length, D embed.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxperf.models.gpt import REMAT_POLICIES, GPT
-from jaxperf.models.hooks import ContextSpec, PipelineSpec
-from jaxperf.models.layers import dense
+from jaxperf.models.layers import REMAT_POLICIES, dense
 from jaxperf.parallel.pipeline import check_layers, pipeline_value, split_microbatches
 from jaxperf.parallel.ring_attention import zigzag_order
+
+if TYPE_CHECKING:  # gpt.py imports this module for gpt_loss
+    from jaxperf.models.gpt import GPT
 
 
 def _stacked_blocks(model) -> tuple[nnx.GraphDef, Any]:
@@ -108,15 +110,3 @@ def zigzag_batch(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
 
 
 _PER_TOKEN = ("inputs", "targets", "mask", "segment_ids")
-
-
-def gpt_loss(model: GPT, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The built-in GPT's train loss (a `LossFn` for jaxperf.step.Task): with the tokens in zigzag order when the
-    model's hooks carry a ContextSpec, pipelined when they carry a PipelineSpec, else `model.next_token_loss`."""
-    context: ContextSpec | None = model.hooks.context
-    if context is not None and context.layout == "zigzag":
-        batch = zigzag_batch(batch, context.n)
-    spec: PipelineSpec | None = model.hooks.pipeline
-    if spec is None:
-        return model.next_token_loss(batch)
-    return pipeline_loss(model, batch, spec.mesh, spec.n_micro, spec.axis, schedule=spec.schedule)

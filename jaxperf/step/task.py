@@ -29,8 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxperf import _compat
 from jaxperf.config import ConfigError, TrainConfig
-from jaxperf.models.gpt import GPT, cross_entropy_from_logits
-from jaxperf.models.pipelined import gpt_loss
+from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
 from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import for_platform
 from jaxperf.parallel.mesh import platform_of
