@@ -14,7 +14,7 @@ from helpers import SMALL_RUN, flat, make_task, random_batches, run_cli
 from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, get_config, validate
 from jaxperf.explicit.flavours import build_train_step
 from jaxperf.models import GPT
-from jaxperf.models.pipelined import gpt_loss
+from jaxperf.models.gpt import gpt_loss
 from jaxperf.step.task import Task
 from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer

@@ -228,7 +228,7 @@ def _chunked_loss(model, batch):
 @pytest.mark.slow
 def test_tiny_gpt_trains_the_same_with_fused_losses(monkeypatch):
     """3 steps under an 8-device FSDP mesh: loss_impl="pallas" and the chunked path match the logits path."""
-    from jaxperf.models.pipelined import gpt_loss as next_token_loss
+    from jaxperf.models.gpt import gpt_loss as next_token_loss
 
     kernel_traces = []
     real_fwd = ce._fwd_pallas

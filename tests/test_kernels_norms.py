@@ -18,7 +18,7 @@ from jaxperf.config import ParallelConfig, get_config
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel.rules import get_rules
-from jaxperf.models.pipelined import gpt_loss as next_token_loss
+from jaxperf.models.gpt import gpt_loss as next_token_loss
 from jaxperf.step.task import Task
 from pallas_kernels.norms import (
     NormBlockSizes,
