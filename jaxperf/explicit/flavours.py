@@ -58,8 +58,6 @@ Legend: n devices on the data-parallel axes, B global batch rows, b = B / n rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax

@@ -100,10 +100,8 @@ def build_train_step(task: Task, loss_fn: LossFn, flavour: str = "jit", *, micro
     options = {}
     if overlap_grad_reduce:
         if "overlap_grad_reduce" not in spec.options:
-            takes = [n for n, f in _REGISTRY.items() if "overlap_grad_reduce" in f.options]
-            raise ConfigError(f"parallel.overlap_grad_reduce is a {'/'.join(takes) or 'shard_map'} option (the step "
-                              f"names its collectives); flavour={flavour} does not take it: set "
-                              "parallel.flavour=shard_map strategy=dp")
+            raise ConfigError(f"parallel.overlap_grad_reduce is a shard_map option (the step names its collectives); "
+                              f"flavour={flavour} does not take it: set parallel.flavour=shard_map strategy=dp")
         options["overlap_grad_reduce"] = True
     return spec.build(task, loss_fn, microbatches=microbatches, schedule=schedule, donate=donate, **options)
 
