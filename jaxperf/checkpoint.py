@@ -27,6 +27,10 @@ What it adds to Orbax:
   missing manifest, garbled metadata) or fails its checksums is reported by step, directory and array or file, moved
   aside to ``<step>.corrupt`` (never deleted) and the next older step is tried. When none is intact,
   ``NoIntactCheckpointError``; a step this process may not read is a ``CheckpointPermissionError`` and stays put.
+- **Readers never write.** ``Checkpointer(directory, read_only=True)`` (generation, serving, quantizing, export,
+  ``init_from``) creates nothing, removes no temporary directory of a save in progress and moves no corrupt step
+  aside: it falls back to the newest intact step and says so in one line. Only the process that holds the run's lock
+  (training) opens its checkpoints for writing.
 - **Saves that fail loudly.** ``poll`` (after every step, without waiting) and ``wait`` raise ``CheckpointSaveError``
   for a save that did not commit, naming the cause and the last good step; ``close`` waits at most a bounded time.
 
@@ -72,6 +76,9 @@ def _first_line(e: BaseException, limit: int = 300) -> str:
     return (text[0] if text else "")[:limit]
 
 
+_READ_ONLY_NOTES = ("CheckpointManagerOptions.read_only=True", "Given directory is read only")
+
+
 class _DropOrbaxInfo(logging.Filter):
     """Drops Orbax's INFO/DEBUG chatter (it logs a dozen lines per save through absl) and the tracebacks its writer
     threads log for a failed save (the Checkpointer reports that failure itself, in one line); keeps its warnings."""
@@ -79,6 +86,8 @@ class _DropOrbaxInfo(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if f"{os.sep}orbax{os.sep}" not in record.pathname:
             return True
+        if record.getMessage().startswith(_READ_ONLY_NOTES):  # what read_only=True asked for, not a warning
+            return False
         return record.levelno >= logging.WARNING and not record.exc_info
 
 
@@ -101,9 +110,12 @@ def _quiet_orbax_logging() -> None:
         sys.unraisablehook = hook
 
 
-def _manager_options(keep: int, keep_every: int | None, async_save: bool) -> ocp.CheckpointManagerOptions:
-    """Retention = the newest `keep` steps plus every multiple of `keep_every`."""
-    common = dict(enable_async_checkpointing=async_save, create=True, cleanup_tmp_directories=True)
+def _manager_options(keep: int, keep_every: int | None, async_save: bool,
+                     read_only: bool = False) -> ocp.CheckpointManagerOptions:
+    """Retention = the newest `keep` steps plus every multiple of `keep_every`. A reader creates no directory and
+    leaves the temporary directories of a save in progress alone (they may be a running job's)."""
+    common = dict(enable_async_checkpointing=async_save, create=not read_only, cleanup_tmp_directories=not read_only,
+                  read_only=read_only)
     policies = getattr(ocp, "checkpoint_managers", None)
     if policies is not None and hasattr(policies, "AnyPreservationPolicy"):
         keepers = [policies.LatestN(n=keep)]
@@ -281,6 +293,14 @@ def checksums(flat: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def _corrupt_summary(failures: list[CorruptCheckpointError]) -> str:
+    """"steps 30, 20 are corrupt (step 30: <reason>)": the corrupt steps a reader met, newest first, in one line."""
+    steps = ", ".join(str(e.step) for e in failures)
+    noun = "step" if len(failures) == 1 else "steps"
+    verb = "is" if len(failures) == 1 else "are"
+    return f"checkpoint {noun} {steps} {verb} corrupt (step {failures[0].step}: {failures[0].reason})"
+
+
 def _diff(names: list[str], limit: int = 5) -> str:
     if not names:
         return "nothing"
@@ -291,14 +311,22 @@ class Checkpointer:
     """Orbax CheckpointManager wrapper: async save, atomic commit, retention, restore with target shardings.
 
     Args:
-        directory: root directory; step ``N`` lives in ``directory/N`` (created if missing).
+        directory: root directory; step ``N`` lives in ``directory/N`` (created if missing, unless `read_only`).
         keep: how many of the newest checkpoints to keep.
         keep_every: also keep every step that is a multiple of this (None: only the newest `keep`).
         async_save: write in a background thread (``save`` returns once the data is on the host).
+        read_only: for a process that reads a run it does not hold (generate, serve, quantize, export, init_from):
+            nothing on disk is created, cleaned up or moved, a corrupt step is skipped where it lies, and ``save``
+            raises. The writer (the training run holding the run directory's lock) leaves it False.
+
+    Example:
+        >>> with Checkpointer("runs/x/checkpoints", read_only=True) as ckpt:
+        ...     restored, meta, step = ckpt.restore_latest({"params": task.abstract_params_sharded()})
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int | None = None, async_save: bool = True
+        self, directory: str | os.PathLike, *, keep: int = 3, keep_every: int | None = None, async_save: bool = True,
+        read_only: bool = False,
     ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
@@ -306,9 +334,10 @@ class Checkpointer:
             raise ValueError(f"keep_every must be >= 1 or None, got {keep_every}")
         _quiet_orbax_logging()
         self.directory = os.path.abspath(os.fspath(directory))
+        self.read_only = read_only
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=_manager_options(keep, keep_every, async_save),
+            options=_manager_options(keep, keep_every, async_save, read_only),
             item_handlers={_PARAMS: ocp.PyTreeCheckpointHandler(), _STATE: ocp.PyTreeCheckpointHandler(),
                            _META: ocp.JsonCheckpointHandler()},
         )
@@ -326,6 +355,9 @@ class Checkpointer:
         devices, before anything is written; waits first for the previous save to finish.
         """
         step = int(step)
+        if self.read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read_only: open it with read_only=False (only "
+                             f"the process that holds the run directory may write to it)")
         self.wait()  # a failure of the previous save surfaces here, before another one starts
         if step in self._manager.all_steps() or (not force and not self._manager.should_save(step)):
             return False
@@ -406,26 +438,37 @@ class Checkpointer:
 
         A corrupt step is reported (a warning naming the step, directory and reason), moved aside to
         ``<step>.corrupt`` so that a later save of the same step is not refused, and the next older step is tried.
+        Read-only, the corrupt steps stay where they are and one warning names them and the step used instead.
         Raises FileNotFoundError when there is no step, NoIntactCheckpointError when none is intact (naming the
-        `.corrupt` directories); a checkpoint of another model (IncompatibleCheckpointError) or one this process may
-        not read (CheckpointPermissionError) is raised at once and nothing is moved.
+        directory and the corrupt steps); a checkpoint of another model (IncompatibleCheckpointError) or one this
+        process may not read (CheckpointPermissionError) is raised at once and nothing is moved.
         """
         self.wait()
-        failures = []
+        failures: list[CorruptCheckpointError] = []
         for step in reversed(self.all_steps()):
             self._check_readable(step)
             try:
                 state, meta = self._restore_step(step, target, verify)
             except CorruptCheckpointError as e:
-                _logger.warning("%s; falling back to an older step", e)
-                failures.append(str(e))
-                self._quarantine(step)
+                failures.append(e)
+                if not self.read_only:
+                    _logger.warning("%s; falling back to an older step", e)
+                    self._quarantine(step)
                 continue
+            if failures and self.read_only:
+                _logger.warning("%s; using step %d, the newest intact one (nothing was moved: only the run that "
+                                "holds this directory moves corrupt steps aside)", _corrupt_summary(failures), step)
             return state, meta, step
+        if self.read_only and (failures or self.corrupt_steps()):
+            kept = self.corrupt_steps()
+            aside = f"; kept aside earlier: {', '.join(kept)}" if kept else ""
+            found = f": {_corrupt_summary(failures)}" if failures else ""
+            raise NoIntactCheckpointError(f"no intact checkpoint in {self.directory}{found}{aside}; nothing was "
+                                          f"changed")
         if failures or self.corrupt_steps():
             raise NoIntactCheckpointError(
                 f"no intact checkpoint in {self.directory}: {', '.join(self.corrupt_steps())} failed to read back "
-                f"and are kept aside{(' (' + failures[0] + ')') if failures else ''}")
+                f"and are kept aside{(' (' + str(failures[0]) + ')') if failures else ''}")
         raise FileNotFoundError(f"no checkpoint to restore in {self.directory}: available steps: []")
 
     def corrupt_steps(self) -> list[str]:

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxperf.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, checksums
+from jaxperf.checkpoint import (Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, NoIntactCheckpointError,
+                               checksums)
 
 
 def _mesh(shape, names, n=None):
@@ -320,3 +321,62 @@ def test_checksum_mismatch_names_the_array(tmp_path):
             ckpt.restore(2, target)
         restored, _ = ckpt.restore(2, target, verify=False)  # the escape hatch reads it anyway
         np.testing.assert_array_equal(np.asarray(restored["a"]), np.arange(64.0))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Readers never write: generate, serve, quantize, export and init_from open a run's checkpoints read_only
+
+
+def _files(root) -> dict[str, bytes]:
+    """Every file and directory under root (directories as None): what "changed nothing" is checked against."""
+    out = {}
+    for here, dirs, names in os.walk(root):
+        for d in dirs:
+            out[os.path.relpath(os.path.join(here, d), root)] = None
+        for n in names:
+            path = os.path.join(here, n)
+            out[os.path.relpath(path, root)] = open(path, "rb").read()
+    return out
+
+
+def _three_steps(directory):
+    x = jax.device_put(jnp.arange(64.0), NamedSharding(_mesh((8,), ("data",)), P("data")))
+    with Checkpointer(directory, keep=3) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"x": x + step, "n": np.int32(step)}, metadata={"data_step": step})
+    return {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), "n": np.int32(0)}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Orbax's reader after a failed read
+def test_a_reader_falls_back_to_the_newest_intact_step_and_changes_nothing(tmp_path, caplog):
+    target = _three_steps(tmp_path / "ck")
+    _flip_bytes(tmp_path / "ck" / "3")
+    (tmp_path / "ck" / "4.orbax-checkpoint-tmp-1234").mkdir()  # a save in progress by the run that trains here
+    before = _files(tmp_path)
+    with Checkpointer(tmp_path / "ck", read_only=True) as ckpt:
+        with caplog.at_level("WARNING"):
+            state, meta, step = ckpt.restore_latest(target)
+        with pytest.raises(ValueError, match="read_only"):
+            ckpt.save(5, {"x": np.zeros(3)})
+    assert step == 2 and meta == {"data_step": 2} and int(state["n"]) == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]  # one line, no Orbax chatter
+    assert "checkpoint step 3 is corrupt" in line and "using step 2" in line and "nothing was moved" in line, line
+    assert _files(tmp_path) == before  # nothing renamed, nothing cleaned up
+    with Checkpointer(tmp_path / "elsewhere", read_only=True) as ckpt:
+        assert ckpt.all_steps() == []
+    assert not (tmp_path / "elsewhere").exists()  # a reader creates no directory either
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_reader_of_checkpoints_none_of_which_is_intact_raises_and_changes_nothing(tmp_path):
+    target = _three_steps(tmp_path)
+    for step in (1, 2, 3):
+        _flip_bytes(tmp_path / str(step))
+    before = _files(tmp_path)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        with pytest.raises(NoIntactCheckpointError) as e:
+            ckpt.restore_latest(target)
+    message = str(e.value)
+    assert f"no intact checkpoint in {tmp_path}: checkpoint steps 3, 2, 1 are corrupt (step 3: " in message, message
+    assert "nothing was changed" in message and "\n" not in message, message
+    assert _files(tmp_path) == before

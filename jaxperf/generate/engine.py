@@ -226,6 +226,9 @@ class Generator:
                         step: int | None = None, **kwargs) -> "Generator":
         """A Generator for a training run: run_dir/config.json and its newest intact checkpoint (or `step`).
 
+        The run is only read: a corrupt step is skipped where it lies (one warning names it and the step used), never
+        moved aside, and nothing in run_dir is created or changed.
+
         A directory written by `jaxperf quantize` is read as int8 (its scales are verified: a damaged one raises
         CorruptCheckpointError or ValueError naming the weight).
         """
@@ -244,7 +247,7 @@ class Generator:
             params = restore_quantized(run_dir, task.abstract_params_sharded(), step=step)
         else:
             target = {"params": task.abstract_params_sharded()}
-            with Checkpointer(run_dir / "checkpoints") as ckpt:
+            with Checkpointer(run_dir / "checkpoints", read_only=True) as ckpt:
                 restored, _, _ = ckpt.restore_step_or_latest(step, target)
             params = restored["params"]
         return cls(model, tokenizer_for(cfg), mesh=mesh, strategy=task.rules, params=params, **kwargs)

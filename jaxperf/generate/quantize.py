@@ -111,7 +111,7 @@ def restore_quantized(run_dir: str | Path, abstract_params: Any, *, step: int | 
     info = json.loads((run_dir / QUANT_FILE).read_text())
     names = list(info["quantized"])
     target = _target(abstract_params, names)
-    with Checkpointer(run_dir / "checkpoints") as ckpt:
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ckpt:
         restored, _ = ckpt.restore(step, target)
     params = join_scales(restored["params"], restored["scales"])
     check_scales(params)
@@ -124,7 +124,7 @@ def _restore_fp32(run_dir: Path, step: int | None):
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy="tp"))
     task = build_task(cfg, mesh, with_optimizer=False)
     target = {"params": task.abstract_params_sharded()}
-    with Checkpointer(run_dir / "checkpoints") as ckpt:
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ckpt:
         restored, _, step = ckpt.restore_step_or_latest(step, target)
     return cfg, task, restored["params"], int(step)
 
