@@ -33,6 +33,15 @@ def test_byte_tokenizer_round_trip_non_ascii():
     assert tok.decode(np.array([0xFF], np.uint32)) == "\ufffd"  # invalid UTF-8 is replaced, not raised
 
 
+def test_the_byte_tokenizer_saved_as_tokenizer_json_encodes_the_same_ids(tmp_path):
+    data.ByteTokenizer().save(tmp_path / "tokenizer.json")  # what `jaxperf export` ships for a byte-level run
+    hf = data.HFTokenizer.from_file(tmp_path)
+    text = TEXT + "".join(chr(c) for c in range(1, 256)) + "\x00 \r\n  x"
+    assert hf.vocab_size == 256
+    np.testing.assert_array_equal(hf.encode(text), data.ByteTokenizer().encode(text))
+    assert hf.decode(hf.encode(text)) == text
+
+
 def test_bpe_train_round_trip_and_save_load(tmp_path):
     tok = data.BPETokenizer.train([TEXT] * 4, vocab_size=300)
     assert tok.name == "bpe" and 257 < tok.vocab_size <= 300
@@ -169,6 +178,57 @@ def test_bin_errors(tmp_path):
         data.load_tokens(str(tmp_path / "big.bin"), tok)
     with pytest.raises(ValueError, match="holds no text"):
         next(data.corpus_texts(str(tmp_path / "big.bin")))
+
+
+class _Vocab:
+    """A stand-in tokenizer of `vocab_size` ids (a token file is checked against the size alone)."""
+
+    def __init__(self, vocab_size: int, name: str = "bpe"):
+        self.vocab_size, self.name, self.fingerprint = vocab_size, name, f"{name}-{vocab_size}"
+
+
+def test_a_token_file_carries_its_dtype_and_vocabulary(tmp_path):
+    ids = np.arange(1000) % 256
+    data.write_token_file(tmp_path / "t.bin", ids, data.ByteTokenizer())
+    info = json.loads((tmp_path / "t.bin.json").read_text())
+    assert (info["dtype"], info["vocab_size"], info["tokenizer"], info["tokens"]) == ("uint16", 256, "byte", 1000)
+    np.testing.assert_array_equal(data.load_tokens(str(tmp_path / "t.bin"), data.ByteTokenizer()), ids)
+    wide = np.arange(1000) * 50  # ids up to 49950 of a 70000-id tokenizer: uint32 on disk
+    data.write_token_file(tmp_path / "w.bin", wide, _Vocab(70_000))
+    read = data.load_tokens(str(tmp_path / "w.bin"), _Vocab(70_000))  # the sidecar says uint32: no suffix needed
+    assert read.dtype == np.uint32
+    np.testing.assert_array_equal(read, wide)
+    with pytest.raises(ValueError, match=rf"^token file {tmp_path}/w.bin holds uint32 ids \(w.bin.json\) but is read "
+                                         rf"as uint16: use '{tmp_path}/w.bin' or '{tmp_path}/w.bin:uint32'$"):
+        data.load_tokens(f"{tmp_path}/w.bin:uint16", _Vocab(70_000))
+    with pytest.raises(ValueError, match=r"made by a tokenizer of 256 ids \(byte, t.bin.json\) but the bpe tokenizer "
+                                         r"has 300: train with the tokenizer that made it"):
+        data.load_tokens(str(tmp_path / "t.bin"), _Vocab(300))
+    with open(tmp_path / "t.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(ValueError, match=r"has 2002 bytes but t.bin.json records 1000 uint16 ids \(2000 bytes\)"):
+        data.load_tokens(str(tmp_path / "t.bin"), data.ByteTokenizer())
+    (tmp_path / "t.bin.json").write_text("{")
+    with pytest.raises(ValueError, match=r"t.bin.json does not describe the token file"):
+        data.load_tokens(str(tmp_path / "t.bin"), data.ByteTokenizer())
+    with pytest.raises(ValueError, match=r"ids from 0 to 300 do not fit the byte tokenizer's vocabulary of 256"):
+        data.write_token_file(tmp_path / "x.bin", np.array([0, 300]), data.ByteTokenizer())
+
+
+def test_a_token_file_without_a_sidecar_is_checked_for_ids_read_in_the_wrong_dtype(tmp_path):
+    ids = np.frombuffer(TEXT.encode(), np.uint8)[: len(TEXT.encode()) // 2 * 2]  # whole uint32s either way
+    ids.astype(np.uint32).tofile(tmp_path / "wide.bin")  # read as the default uint16: ids interleaved with zeros
+    with pytest.raises(ValueError, match=rf"wide.bin' looks like uint32 ids read as uint16: every second one of its "
+                                         rf"first {2 * len(ids)} uint16 values is 0; read it as "
+                                         rf"'{tmp_path}/wide.bin:uint32'"):
+        data.load_tokens(str(tmp_path / "wide.bin"), data.ByteTokenizer())
+    assert len(data.load_tokens(f"{tmp_path}/wide.bin:uint32", data.ByteTokenizer())) == len(ids)
+    ids.astype(np.uint16).tofile(tmp_path / "narrow.bin")  # uint16 ids read as uint32: ids beyond the vocabulary
+    with pytest.raises(ValueError, match=r"vocab_size=256; .*'.*narrow.bin:uint16': read as uint16 every id fits"):
+        data.load_tokens(f"{tmp_path}/narrow.bin:uint32", data.ByteTokenizer())
+    with pytest.raises(ValueError, match=rf"^data.source='{tmp_path}/wide.bin:int8': token files hold uint16 or uint32 "
+                                         rf"ids, not int8: write '{tmp_path}/wide.bin:uint16' or "):
+        data.load_tokens(f"{tmp_path}/wide.bin:int8", data.ByteTokenizer())
 
 
 def test_split_tokens():

@@ -8,9 +8,10 @@ Example:
     >>> host = ds.batch(step=0, batch_size=8, rows=data.process_rows(8))
 """
 
-from jaxperf.data.datasets import datasets_for, tokenizer_for, with_vocab
+from jaxperf.data.datasets import datasets_for, tokenizer_for, vocab_note, with_vocab
 from jaxperf.data.loader import DataError, Prefetcher, TokenDataset, process_rows, to_global_array
-from jaxperf.data.sources import corpus_texts, load_tokens, source_fingerprint, split_tokens, stdlib_corpus_files
+from jaxperf.data.sources import (corpus_texts, load_tokens, source_fingerprint, split_tokens, stdlib_corpus_files,
+                                  write_token_file)
 from jaxperf.data.tokenizer import BPETokenizer, ByteTokenizer, HFTokenizer, get_tokenizer, special_token_ids
 
 __all__ = [
@@ -31,5 +32,7 @@ __all__ = [
     "stdlib_corpus_files",
     "to_global_array",
     "tokenizer_for",
+    "vocab_note",
     "with_vocab",
+    "write_token_file",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from jaxperf.config import ConfigError, TrainConfig
+from jaxperf.config import ConfigError, ModelConfig, TrainConfig
 from jaxperf.data.loader import TokenDataset
 from jaxperf.data.sources import corpus_texts, load_tokens, source_fingerprint, split_tokens
 from jaxperf.data.tokenizer import get_tokenizer
@@ -45,6 +45,18 @@ def with_vocab(cfg: TrainConfig, tokenizer) -> TrainConfig:
         raise ConfigError(f"the {cfg.data.tokenizer} tokenizer has {tokenizer.vocab_size} tokens but the model's "
                           f"vocabulary is {cfg.model.padded_vocab}: set model.vocab_size={tokenizer.vocab_size}")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=max(tokenizer.vocab_size, 1)))
+
+
+def vocab_note(cfg: TrainConfig, tokenizer) -> str | None:
+    """The line that says model.vocab_size is not used, when cfg sets one other than the tokenizer's (`with_vocab`
+    replaces it: the byte tokenizer always has 256 ids, a BPE or tokenizer.json its own number), else None. A value
+    equal to ModelConfig's default counts as not set."""
+    asked, have = cfg.model.vocab_size, int(tokenizer.vocab_size)
+    if asked in (have, ModelConfig().vocab_size):
+        return None
+    return (f"model.vocab_size={asked} is not used: the {getattr(tokenizer, 'name', 'given')} tokenizer has {have} "
+            f"ids and the model's vocabulary follows its tokenizer ({have}); drop the setting, or choose a tokenizer "
+            f"of {asked} ids (data.tokenizer=bpe trains one)")
 
 
 def datasets_for(cfg: TrainConfig, tokenizer) -> tuple[TokenDataset, TokenDataset | None]:

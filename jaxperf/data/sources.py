@@ -9,6 +9,12 @@ A `source` string is one of
 
 Text sources are joined in sorted file order with one "\n" between files and tokenized; with `cache_dir` the tokens are
 kept as .npy, keyed by the file list, sizes, mtimes, tokenizer and `max_bytes`, so the second load is instant.
+
+A token file written by `write_token_file` carries a sidecar, `train.bin.json`, with its dtype, the vocabulary size
+and name of the tokenizer that made it and the number of ids. At load the file is read in the recorded dtype (no
+suffix needed); a suffix that contradicts it, another vocabulary size or another length is a ValueError naming the
+file and both values. A file without a sidecar is checked for ids at or beyond the tokenizer's vocabulary, and a
+sample of its start for uint32 ids read as uint16 (every second uint16 zero).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import codecs
 import functools
 import glob
 import hashlib
+import json
 import os
 import pathlib
+import re
 import sysconfig
 from collections.abc import Iterator
 
@@ -26,6 +34,8 @@ import numpy as np
 
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 _BIN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SIDECAR_FORMAT = "jaxperf-tokens"  # the "format" of a token file's sidecar (x.bin.json)
+_SAMPLE = 1 << 16  # ids of a file without a sidecar looked at for uint32 read as uint16
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,18 +64,21 @@ def stdlib_corpus_files() -> list[pathlib.Path]:
     return list(_stdlib_files())
 
 
-def _parse_bin(source: str) -> tuple[str, np.dtype] | None:
-    """("path", dtype) when `source` names a token .bin file, else None."""
+def _parse_bin(source: str) -> tuple[str, np.dtype, bool] | None:
+    """("path", dtype, whether a suffix named the dtype) when `source` names a token .bin file, else None."""
     path, dtype = source, "uint16"
     head, sep, tail = source.rpartition(":")
     has_suffix = bool(sep) and tail in _BIN_DTYPES
     if has_suffix:
         path, dtype = head, tail
+    elif sep and head.endswith(".bin") and re.fullmatch(r"[A-Za-z_]\w*", tail) and not os.path.exists(source):
+        raise ValueError(f"data.source={source!r}: token files hold {' or '.join(_BIN_DTYPES)} ids, not {tail}: "
+                         f"write '{head}:uint16' or '{head}:uint32'")
     if not path.endswith(".bin"):
         if has_suffix:
             raise ValueError(f"{source!r}: a ':{dtype}' suffix is only meaningful for a token .bin file")
         return None
-    return path, np.dtype(_BIN_DTYPES[dtype])
+    return path, np.dtype(_BIN_DTYPES[dtype]), has_suffix
 
 
 def _text_files(source: str) -> list[pathlib.Path]:
@@ -129,10 +142,84 @@ def source_fingerprint(source: str, max_bytes: int | None = None) -> str:
     return h.hexdigest()[:24]
 
 
-def _load_bin(path: str, dtype: np.dtype, tokenizer) -> np.ndarray:
+def sidecar_path(path: str | os.PathLike) -> pathlib.Path:
+    """Where a token file's description lives: `x.bin` -> `x.bin.json`."""
+    return pathlib.Path(f"{os.fspath(path)}.json")
+
+
+def write_token_file(path: str | os.PathLike, tokens: np.ndarray, tokenizer) -> pathlib.Path:
+    """Write `tokens` as a flat token file `path` (uint16 ids when the tokenizer has at most 65536, else uint32) and
+    its sidecar `path.json` (dtype, vocabulary size, tokenizer, number of ids), each atomically.
+
+    Read it back with `data.source=path` (no dtype suffix needed: the sidecar says). ValueError when an id does not
+    fit the tokenizer's vocabulary.
+
+    Example:
+        >>> tok = get_tokenizer("byte")
+        >>> write_token_file("train.bin", load_tokens("notes.txt", tok), tok)
+    """
+    path = pathlib.Path(path)
+    vocab = int(tokenizer.vocab_size)
+    dtype = np.dtype(np.uint16 if vocab <= 65536 else np.uint32)
+    ids = np.asarray(tokens).reshape(-1)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"ids from {int(ids.min())} to {int(ids.max())} do not fit the {tokenizer.name} tokenizer's "
+                         f"vocabulary of {vocab}: write them with the tokenizer that made them")
+    info = {"format": SIDECAR_FORMAT, "version": 1, "dtype": dtype.name, "vocab_size": vocab,
+            "tokenizer": getattr(tokenizer, "name", type(tokenizer).__name__),
+            "fingerprint": getattr(tokenizer, "fingerprint", None), "tokens": int(ids.size)}
+    side = sidecar_path(path)
+    side.unlink(missing_ok=True)  # never a new file beside the old description
+    for target, write in ((path, lambda f: ids.astype(dtype).tofile(f)),
+                          (side, lambda f: f.write(json.dumps(info, indent=1).encode() + b"\n"))):
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, target)
+    return path
+
+
+def _read_sidecar(path: str) -> dict | None:
+    side = sidecar_path(path)
+    if not side.is_file():
+        return None
+    try:
+        info = json.loads(side.read_text())
+        if not isinstance(info, dict) or info.get("format") != SIDECAR_FORMAT:
+            raise ValueError(f"no \"format\": \"{SIDECAR_FORMAT}\"")
+        if info.get("dtype") not in _BIN_DTYPES:
+            raise ValueError(f"dtype {info.get('dtype')!r} is not one of {', '.join(_BIN_DTYPES)}")
+        info["vocab_size"], info["tokens"] = int(info["vocab_size"]), int(info["tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{side} does not describe the token file {path} ({e}): write the file again with "
+                         f"jaxperf.data.write_token_file, or remove {side.name} to read it without one") from None
+    return info
+
+
+def _check_sidecar(path: str, info: dict, dtype: np.dtype, explicit: bool, size: int, tokenizer) -> np.dtype:
+    """The dtype to read `path` in, after checking it against its sidecar (ValueError naming both values)."""
+    side, recorded = sidecar_path(path).name, np.dtype(_BIN_DTYPES[info["dtype"]])
+    if explicit and dtype != recorded:
+        raise ValueError(f"token file {path} holds {recorded.name} ids ({side}) but is read as {dtype.name}: use "
+                         f"'{path}' or '{path}:{recorded.name}'")
+    if info["vocab_size"] != tokenizer.vocab_size:
+        raise ValueError(f"token file {path} was made by a tokenizer of {info['vocab_size']} ids "
+                         f"({info.get('tokenizer')}, {side}) but the {tokenizer.name} tokenizer has "
+                         f"{tokenizer.vocab_size}: train with the tokenizer that made it")
+    if size != info["tokens"] * recorded.itemsize:
+        raise ValueError(f"token file {path} has {size} bytes but {side} records {info['tokens']} {recorded.name} "
+                         f"ids ({info['tokens'] * recorded.itemsize} bytes): it changed after it was written; write "
+                         f"it again")
+    return recorded
+
+
+def _load_bin(path: str, dtype: np.dtype, tokenizer, explicit: bool = False) -> np.ndarray:
     if not os.path.isfile(path):
         raise ValueError(f"no such token file {path!r}")
     size = os.path.getsize(path)
+    info = _read_sidecar(path)
+    if info is not None:
+        dtype = _check_sidecar(path, info, dtype, explicit, size, tokenizer)
     if size % dtype.itemsize:
         fits = [name for name, d in _BIN_DTYPES.items() if size % np.dtype(d).itemsize == 0]
         hint = f"'{path}:{fits[0]}' ({fits[0]}) would fit" if fits else "no supported dtype fits: is it truncated?"
@@ -145,10 +232,20 @@ def _load_bin(path: str, dtype: np.dtype, tokenizer) -> np.ndarray:
     tokens = np.memmap(path, dtype=dtype, mode="r")
     max_id = int(tokens.max())
     if max_id >= tokenizer.vocab_size:
+        hint = "the right dtype"
+        if dtype == np.uint32 and int(np.memmap(path, dtype=np.uint16, mode="r").max()) < tokenizer.vocab_size:
+            hint = f"'{path}:uint16': read as uint16 every id fits"
         raise ValueError(
             f"{path!r} holds token id {max_id} but the {tokenizer.name} tokenizer has vocab_size="
-            f"{tokenizer.vocab_size}; use the tokenizer the file was made with (or the right dtype)"
+            f"{tokenizer.vocab_size}; use the tokenizer the file was made with (or {hint})"
         )
+    if info is not None:  # its dtype is on record
+        return tokens
+    sample = np.asarray(tokens[: min(len(tokens), _SAMPLE) // 2 * 2])
+    if dtype == np.uint16 and size % 4 == 0 and len(sample) >= 64 and not sample[1::2].any() and sample[::2].any():
+        raise ValueError(f"{path!r} looks like uint32 ids read as uint16: every second one of its first {len(sample)} "
+                         f"uint16 values is 0; read it as '{path}:uint32' (a file written by "
+                         f"jaxperf.data.write_token_file carries its dtype in {sidecar_path(path).name})")
     return tokens
 
 
@@ -156,7 +253,8 @@ def load_tokens(source: str, tokenizer, *, cache_dir: str | None = None, max_byt
     """Tokens of a source as one flat array.
 
     Args:
-        source: "stdlib", a text file, a glob, or "file.bin[:uint16|uint32]" (see the module docstring).
+        source: "stdlib", a text file, a glob, or "file.bin[:uint16|uint32]" (see the module docstring; a file
+            with a sidecar, `file.bin.json`, is read in the dtype it records and checked against it).
         tokenizer: any jaxperf tokenizer (used to encode text, and to check the ids of a .bin file).
         cache_dir: where tokenized text is kept as `tokens-<hash>.npy`; None disables caching.
         max_bytes: text sources only: tokenize just this prefix of the concatenated corpus.
@@ -170,7 +268,7 @@ def load_tokens(source: str, tokenizer, *, cache_dir: str | None = None, max_byt
     """
     parsed = _parse_bin(source)
     if parsed is not None:
-        return _load_bin(parsed[0], parsed[1], tokenizer)
+        return _load_bin(*parsed[:2], tokenizer, explicit=parsed[2])
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"{max_bytes=} must be positive (or None for the whole corpus)")
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.uint32

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,8 +57,31 @@ class ByteTokenizer:
             raise ValueError(f"byte ids must lie in [0, 256), got min {ids.min()} max {ids.max()}")
         return ids.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the same mapping as a Hugging Face tokenizer.json (byte-level symbols, id = byte value, no merges),
+        atomically: what `export` ships, so that `init_from` of the export (and transformers) encode as this does."""
+        byte_symbols = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins of GPT-2's byte level
+        table = {ch: _byte_of(ch) for ch in byte_symbols}
+        tok = Tokenizer(models.BPE(vocab=table, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        BPETokenizer(tok).save(path)
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=256)"
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """GPT-2's byte-level stand-in character of each byte -> the byte (printable bytes stand for themselves)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+def _byte_of(symbol: str) -> int:
+    return _byte_values()[symbol]
 
 
 class BPETokenizer:
