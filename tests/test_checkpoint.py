@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxperf.checkpoint import (Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError, NoIntactCheckpointError,
-                               checksums)
+from jaxperf.checkpoint import (Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError,
+                               NoIntactCheckpointError, checksums)
 
 
 def _mesh(shape, names, n=None):

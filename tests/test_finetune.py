@@ -20,13 +20,14 @@ import pytest
 
 from helpers import cli_env, hf_tokenizer, losses, run_cli
 from jaxperf.config import ConfigError, ParallelConfig, from_dict, get_config
-from jaxperf.data import datasets_for, tokenizer_for
+from jaxperf.data import ByteTokenizer, datasets_for, tokenizer_for
 from jaxperf.generate import Generator
 from jaxperf.interop._safetensors import write_shards
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.step.task import build_task
-from jaxperf.checkpoint import Checkpointer
-from jaxperf.train.pretrained import InitSource, checkpoint_kind
+from jaxperf.checkpoint import Checkpointer, NoIntactCheckpointError
+from jaxperf.generate.quantize import quantize_run
+from jaxperf.train.pretrained import InitSource, checkpoint_kind, export_run
 from jaxperf.train.trainer import Trainer
 
 STORY = ("Once upon a time there was a little robot who liked to count the stars. Every night it climbed the hill "
@@ -264,6 +265,69 @@ def test_init_from_a_run_keeps_the_bpe_it_trained(tmp_path):
     second.fit()
     assert kept.exists()
     assert Generator.from_checkpoint(tmp_path / "second").tokenizer.fingerprint == first.tokenizer.fingerprint
+
+
+def _small_run(tmp_path: Path, *extra: str):
+    """A one-layer byte-level run of two steps on a text file, one device: what the reader tests start from."""
+    (tmp_path / "story.txt").write_text(STORY)
+    return get_config("tiny", [
+        "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "seq_len=16",
+        "batch_size=8", "max_steps=2", "eval_every=0", "eval_batches=0", "sample_tokens=0", "tensorboard=false",
+        "compile_cache_dir=", f"data.source={tmp_path}/story.txt", f"data.cache_dir={tmp_path}/cache", *extra])
+
+
+def _flip_params(step_dir: Path) -> None:
+    big = max((p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(big.read_bytes())
+    data[len(data) // 3: len(data) // 3 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 3: len(data) // 3 + 8])
+    big.write_bytes(bytes(data))
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_readers_of_a_run_change_nothing_in_it(tmp_path):
+    """export, generate, quantize and init_from read a run whose newest step is corrupt from the step before it and
+    leave the run as it was (no `.corrupt` renames: only the run that holds the directory moves steps aside); with no
+    intact step init_from is refused before the new run holds anything, its source untouched."""
+    first = tmp_path / "first"
+    Trainer(_small_run(tmp_path, "checkpoint_every=1", f"run_dir={first}"), devices=jax.devices()[:1]).fit()
+    _flip_params(first / "checkpoints" / "2")
+    before = _tree(first)
+    export_run(first, tmp_path / "exported")
+    assert Generator.from_checkpoint(first).cfg.vocab_size == 256
+    assert quantize_run(first, tmp_path / "int8", eval_batches=0)["source_step"] == 1
+    assert _tree(first) == before
+    _flip_params(first / "checkpoints" / "1")
+    before = _tree(first)
+    second = Trainer(_small_run(tmp_path, f"run_dir={tmp_path}/second", f"init_from={first}"),
+                     devices=jax.devices()[:1])
+    with pytest.raises(NoIntactCheckpointError) as e:
+        second.fit()
+    assert f"no intact checkpoint in {first}/checkpoints: checkpoint steps 2, 1 are corrupt" in str(e.value)
+    assert _tree(first) == before
+    assert not (tmp_path / "second" / "checkpoints").exists() and not (tmp_path / "second" / "config.json").exists()
+    with pytest.raises(NoIntactCheckpointError):
+        export_run(first, tmp_path / "again")
+    assert _tree(first) == before
+
+
+def test_export_then_init_from_round_trips_a_byte_level_run(tmp_path):
+    """The default tokenizer (bytes) goes out as a tokenizer.json that encodes the same ids, so the export of a
+    byte-level run is a directory init_from starts from: the same weights, the same tokens."""
+    run = tmp_path / "run"
+    trained = Trainer(_small_run(tmp_path, f"run_dir={run}"), devices=jax.devices()[:1]).fit()["state"].params
+    export_run(run, tmp_path / "hf")
+    again = Trainer(_small_run(tmp_path, f"run_dir={tmp_path}/again", f"init_from={tmp_path}/hf"),
+                    devices=jax.devices()[:1])
+    text = "héllo, wörld!\n\t 日本 🎉 \x00"
+    np.testing.assert_array_equal(again.tokenizer.encode(text), ByteTokenizer().encode(text))
+    assert again.tokenizer.decode(again.tokenizer.encode(text)) == text and again.cfg.model.vocab_size == 256
+    state, start = again.init_or_restore(None)
+    assert start == 0
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(trained), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 # --------------------------------------------------------------------------------------------------------------------

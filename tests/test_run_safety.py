@@ -10,10 +10,12 @@ root: as root they run the job as `nobody` through setpriv (skipped where that i
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import functools
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -29,8 +31,12 @@ import pytest
 from helpers import SMALL_RUN, cli_env, losses, run_cli, start_train, wait_for_steps
 
 from jaxperf import cli
-from jaxperf.checkpoint import Checkpointer, CheckpointPermissionError, CorruptCheckpointError
+from jaxperf.checkpoint import Checkpointer, CheckpointPermissionError, CheckpointSaveError, CorruptCheckpointError
+from jaxperf.config import get_config
+from jaxperf.train import hooks
+from jaxperf.train.hooks import MetricsWriteError
 from jaxperf.train.rundir import LOCK_NAME
+from jaxperf.train.trainer import Trainer
 
 RUN = [*SMALL_RUN, "optim.decay_steps=50", "compile_cache_dir="]
 
@@ -381,3 +387,106 @@ def test_unreadable_array_files_are_named(tmp_path):
     with Checkpointer(tmp_path) as ckpt, pytest.raises(CorruptCheckpointError) as info:
         ckpt.restore(1, _abstract(_tree(0)))
     assert f"{tmp_path}/1/params" in str(info.value) and "NoneType" not in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 9. The record: whole lines, a torn tail cut off at resume, a full disk stops the run like a failed save
+
+
+def _trainer(tmp_path, *extra) -> Trainer:
+    cfg = get_config("tiny", [*RUN, f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    return Trainer(cfg, devices=jax.devices()[:1])
+
+
+def _records(run_dir: Path) -> list[dict]:
+    text = (run_dir / "metrics.jsonl").read_text()
+    assert text.endswith("\n"), text[-200:]
+    return [json.loads(line) for line in text.splitlines()]  # every line a whole record
+
+
+class _FullDisk:
+    """The os module for jaxperf.train.hooks, whose writes run out of space from the record of step `step` on: half
+    of that line is written, then ENOSPC (a disk filling up in the middle of a write), and every write after it."""
+
+    def __init__(self, step: int):
+        self.marker, self.full = f'{{"step": {step},'.encode(), False
+
+    def write(self, fd, data):
+        if self.full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if bytes(data).startswith(self.marker):
+            self.full = True
+            return os.write(fd, bytes(data)[: len(data) // 2])
+        return os.write(fd, data)
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+
+def test_a_full_disk_while_writing_the_record_saves_a_checkpoint_and_stops(tmp_path, monkeypatch):
+    trainer = _trainer(tmp_path, "max_steps=6")
+    monkeypatch.setattr(hooks, "os", _FullDisk(step=3))
+    with pytest.raises(MetricsWriteError) as info:
+        trainer.fit()
+    monkeypatch.undo()
+    message = str(info.value)
+    assert isinstance(info.value, CheckpointSaveError)  # jaxperf train exits with status 3, as for a failed save
+    assert message == (f"the record {tmp_path}/run/metrics.jsonl could not be written at step 3: No space left on "
+                       f"device [errno 28]; saved a checkpoint at step 4: fix that and run the same command again to "
+                       f"continue from it"), message
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]  # the half-written line was taken back
+    with Checkpointer(tmp_path / "run" / "checkpoints", read_only=True) as ckpt:
+        assert ckpt.all_steps() == [4]
+    trainer.fit()  # the disk has room again: on from step 4
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2, 5, 6]
+
+
+def test_a_torn_last_line_is_cut_off_at_resume_and_said_once(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    # Two whole records and what a kill inside the write of the third leaves.
+    (tmp_path / "run" / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": 5.5}\n{"step": 2, "loss": 5.3}\n'
+                                                     b'{"step": 3, "loss": 5.12')
+    _trainer(tmp_path, "max_steps=2").fit()
+    out = capsys.readouterr().out
+    assert out.count("cut off a torn last line (24 bytes") == 1, out
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2, 1, 2]  # the new records on lines of their own
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_writing_the_record_exits_3_with_one_line(tmp_path):
+    probe = ("import sys\nsys.path.insert(0, {tests!r})\nfrom test_run_safety import _FullDisk\n"
+             "from jaxperf.train import hooks\nhooks.os = _FullDisk(step=3)\nfrom jaxperf.cli import main\n"
+             "sys.exit(main(['train', *{args!r}]))\n").format(tests=str(Path(__file__).parent),
+                                                          args=[*RUN, "max_steps=6", "run_dir=run"])
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=240,
+                         env=cli_env(tmp_path, 1))
+    assert out.returncode == 3, out.stderr[-3000:]
+    line = _one_line(out.stderr)
+    assert "run/metrics.jsonl could not be written at step 3: No space left on device [errno 28]" in line, line
+    assert "saved a checkpoint at step 4" in line, line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 10. No number that was not measured, no setting dropped without a word
+
+
+def test_eval_batches_0_turns_evaluation_off_and_says_so_once(tmp_path, capsys):
+    trainer = _trainer(tmp_path, "max_steps=4", "eval_every=2", "eval_batches=0")
+    summary = trainer.fit()
+    out = capsys.readouterr().out
+    assert out.count("eval_batches=0: evaluation is off") == 1, out
+    assert re.search(r"val_loss \d", out) is None, out  # no "val_loss 0.0000" that nothing measured
+    assert not any("val_loss" in r for r in _records(tmp_path / "run")) and "val_loss" not in summary
+    with pytest.raises(ValueError, match="nothing to evaluate on: eval_batches=0"):
+        trainer.evaluate(summary["state"])
+
+
+def test_a_vocab_size_the_byte_tokenizer_does_not_have_is_said_not_dropped_silently(tmp_path, capsys):
+    trainer = _trainer(tmp_path, "model.vocab_size=512")  # e.g. at a resume of a byte-level run
+    line = [x for x in capsys.readouterr().out.splitlines() if "vocab_size" in x]
+    assert line == ["model.vocab_size=512 is not used: the byte tokenizer has 256 ids and the model's vocabulary "
+                    "follows its tokenizer (256); drop the setting, or choose a tokenizer of 512 ids "
+                    "(data.tokenizer=bpe trains one)"], line
+    assert trainer.cfg.model.vocab_size == 256
+    _trainer(tmp_path)
+    assert "vocab_size" not in capsys.readouterr().out

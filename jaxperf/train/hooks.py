@@ -27,6 +27,7 @@ checkpoints and preemption; `Trainer(hooks=[...])` adds more.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -38,7 +39,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxperf.checkpoint import CheckpointSaveError
 from jaxperf.perf.hardware import peak_flops
+from jaxperf.train.rundir import RunDirError
 
 
 def log(msg: str) -> None:
@@ -65,40 +68,144 @@ class Hook:
     def close(self) -> None: ...
 
 
+class MetricsWriteError(CheckpointSaveError):
+    """run_dir/metrics.jsonl could not be written (a full disk, a read-only file system, a permission): the run
+    saved a checkpoint where it could and stopped. A CheckpointSaveError, so it takes the same exit as a failed save
+    (`jaxperf train` exits with status 3); the message names the file, the errno and the last good step."""
+
+    def __init__(self, path: Path, step: int, error: OSError, *, saved: int | None, last_good: int | None,
+                 save_failure: str | None = None):
+        self.path, self.step, self.directory, self.last_good = Path(path), step, str(Path(path).parent), last_good
+        self.reason = f"{error.strerror or error} [errno {error.errno}]"
+        if saved is not None:
+            after = (f"saved a checkpoint at step {saved}: fix that and run the same command again to continue from "
+                     f"it")
+        else:
+            good = (f"step {last_good} is the last good checkpoint" if last_good is not None
+                    else "no checkpoint is saved")
+            after = f"the checkpoint could not be saved either ({save_failure}); {good}"
+        RuntimeError.__init__(self, f"the record {path} could not be written at step {step}: {self.reason}; {after}")
+
+
 class MetricsWriter:
-    """JSON lines in run_dir/metrics.jsonl, plus TensorBoard events when tensorboardX is installed."""
+    """JSON lines in run_dir/metrics.jsonl, plus TensorBoard events when tensorboardX is installed.
+
+    Each record is built whole and handed to the kernel in one write (O_APPEND), so the file holds whole lines: a
+    torn last line exists only when the process died inside that write, and `open` cuts it off (saying so) before
+    the run appends again. A write that fails (ENOSPC, EROFS, EACCES...) writes nothing more and is kept in `error`
+    as (step, OSError); the loop then saves a checkpoint and stops with MetricsWriteError. Only process 0 writes.
+    """
 
     def __init__(self, run_dir: Path, tensorboard: bool):
         self.active = jax.process_index() == 0
-        self.file = open(run_dir / "metrics.jsonl", "a") if self.active else None  # noqa: SIM115
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tensorboard = tensorboard
+        self.error: tuple[int, OSError] | None = None
+        self.fd: int | None = None
         self.tb = None
-        if self.active and tensorboard:
+
+    def open(self) -> str | None:
+        """Open the file for appending (process 0; the others write nothing). A torn last line is cut off first;
+        returns the one line that says so, else None. RunDirError when the file cannot be opened for writing."""
+        if not self.active or self.fd is not None:
+            return None
+        try:
+            note = _cut_torn_tail(self.path)
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise RunDirError(f"cannot write {self.path}: {e.strerror} [errno {e.errno}]: make it writable (chmod "
+                              f"u+w) or choose another run_dir") from None
+        if self.tensorboard:
             try:
                 from tensorboardX import SummaryWriter  # an optional dependency
             except ImportError:
                 SummaryWriter = None
             if SummaryWriter is not None:
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+                self.tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+        return note
 
     def write(self, step: int, record: dict[str, Any]) -> None:
-        if not self.active:
+        """Append {"step": step, **record} as one line (numbers as JSON numbers); nothing after a failed write."""
+        if not self.active or self.error is not None:
             return
+        if self.fd is None:
+            self.open()
         clean = {k: (int(v) if isinstance(v, (np.integer, int)) else float(v) if isinstance(v, (np.floating, float))
                      else v) for k, v in record.items()}
-        self.file.write(json.dumps({"step": step, **clean}) + "\n")
-        self.file.flush()
+        line = (json.dumps({"step": step, **clean}) + "\n").encode()
+        try:
+            _write_whole(self.fd, line)
+        except OSError as e:
+            self.error = (step, e)
+            return
         if self.tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        if self.file:
-            self.file.close()
-            self.file = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def _write_whole(fd: int, data: bytes) -> None:
+    """Write all of `data` at the end of the file; on an error, the part already written is taken back (best
+    effort: on a file system gone read-only it stays, and the next start cuts it off)."""
+    start = os.fstat(fd).st_size
+    done = 0
+    try:
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    except OSError:
+        if done:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+        raise
+
+
+def _cut_torn_tail(path: Path) -> str | None:
+    """Cut a last line that is not a whole JSON record (no newline: the process died inside its write; or not
+    JSON) off `path`; a whole record missing only its newline gets it. Returns what was done, or None."""
+    try:
+        f = open(path, "r+b")  # noqa: SIM115
+    except FileNotFoundError:
+        return None
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return None
+        # The start of the last line: after the last newline before the file's final byte.
+        end, start, chunk = size - 1, None, 1 << 16
+        pos = end
+        while start is None and pos > 0:
+            lo = max(0, pos - chunk)
+            f.seek(lo)
+            buf = f.read(pos - lo)
+            i = buf.rfind(b"\n")
+            if i >= 0:
+                start = lo + i + 1
+            pos = lo
+        start = start or 0
+        f.seek(start)
+        tail = f.read()
+        try:
+            whole = isinstance(json.loads(tail), dict)
+        except ValueError:
+            whole = False
+        if whole and tail.endswith(b"\n"):
+            return None
+        if whole:
+            f.write(b"\n")
+            return None
+        f.truncate(start)
+    return (f"{path}: cut off a torn last line ({len(tail)} bytes, not a whole record: the run stopped while writing "
+            f"it); the record continues from the resumed step")
 
 
 class Progress:
@@ -297,14 +404,18 @@ class PreemptionHook(Hook):
 def default_hooks(cfg, *, tokens_per_step: int, flops_per_token: float | None, n_devices: int,
                   evaluate: bool) -> list[Hook]:
     """The hooks every run gets, in the order they run at a step: preemption (a stop skips the rest of the step's
-    hooks), health, logging, evaluation, checkpoints."""
+    hooks), health, logging, evaluation (off with eval_every=0 or eval_batches=0, the latter said once),
+    checkpoints."""
     hooks: list[Hook] = [
         PreemptionHook(cfg.handle_signals),
         HealthHook(cfg.max_consecutive_skips),
         LogHook(cfg.log_every, tokens_per_step=tokens_per_step, flops_per_token=flops_per_token,
                 dtype=cfg.model.dtype, n_devices=n_devices),
     ]
-    if evaluate and cfg.eval_every:
+    if evaluate and cfg.eval_every and cfg.eval_batches:
         hooks.append(EvalHook(cfg.eval_every))
+    elif evaluate and cfg.eval_every:  # no batch to measure a validation loss on: none is logged
+        log(f"eval_batches=0: evaluation is off (no val_loss is measured or logged); set eval_batches to 1 or more "
+            f"to evaluate every {cfg.eval_every} steps, or eval_every=0 to say it is off")
     hooks.append(CheckpointHook(cfg.checkpoint_every))
     return hooks

@@ -15,7 +15,10 @@ config.json tell them apart (`checkpoint_kind`). Then:
   override names it.
 - **The weights** go straight into their shards on the run's mesh: a Hugging Face tensor is read slice by slice, each
   device reading only its block (`jaxperf.interop.load_hf_params`); a run's checkpoint is restored by Orbax into the
-  run's shardings. No device or host holds a whole copy of the model.
+  run's shardings. No device or host holds a whole copy of the model. The source run is only read: a corrupt step
+  is skipped where it lies (the newest intact one is used, and a warning says so), and a source with no intact step
+  is a NoIntactCheckpointError naming its directory and corrupt steps; the new run then holds no checkpoints/,
+  config.json or tokenizer.
 - **The tokenizer** is the directory's tokenizer.json (`data.tokenizer=hf`), or the source run's tokenizer (a BPE the
   source trained on its own corpus is saved as run_dir/tokenizer.json so that the new run holds it).
 - **The optimizer** starts fresh at step 0 (`Task.init_state_from`). The run records where it started: `init_from`
@@ -176,7 +179,7 @@ class InitSource:
             record.update(arch=self.model.style, special_tokens=self.special_tokens(),
                           generation_config=read_generation_config(str(self.path)))
         else:
-            with Checkpointer(self.path / "checkpoints") as ckpt:
+            with Checkpointer(self.path / "checkpoints", read_only=True) as ckpt:
                 restored, meta, step = ckpt.restore_latest({"params": task.abstract_params_sharded()})
             params = restored["params"]
             earlier = meta.get("init_from") or {}
@@ -205,7 +208,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     The parameters are restored sharded over `devices` (default: this process's) under fsdp and streamed out one
     tensor at a time (`jaxperf.interop.export_hf`), so the host never holds the whole model. The special token ids and
     generation config are those the run started from (checkpoint metadata), else the tokenizer's; the tokenizer goes
-    along as tokenizer.json (nothing for the byte tokenizer, which has no file). Returns the weight files written.
+    along as tokenizer.json (the byte tokenizer as the byte-level tokenizer.json that encodes the same ids), so
+    `init_from` of the export starts from the same model and tokens. The run is only read: a corrupt newest step is
+    skipped, never moved. Returns the weight files written.
     """
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not (run_dir / "config.json").is_file():
@@ -216,17 +221,15 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     cfg = dataclasses.replace(cfg, parallel=parallel)
     task = build_task(cfg, make_mesh(parallel, devices), with_optimizer=False)
     target = {"params": task.abstract_params_sharded()}
-    with Checkpointer(run_dir / "checkpoints") as ckpt:
+    with Checkpointer(run_dir / "checkpoints", read_only=True) as ckpt:
         restored, meta, _ = ckpt.restore_step_or_latest(step, target)
     record = meta.get("init_from") or {}
     tokenizer = tokenizer_for(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer_file = None
-    if cfg.data.tokenizer != "byte":
-        tokenizer_file = cfg.data.tokenizer_path
-        if not tokenizer_file:  # a BPE trained on the corpus: its file is in the cache; write it out
-            tokenizer.save(out_dir / "tokenizer.json")
-            tokenizer_file = str(out_dir / "tokenizer.json")
+    tokenizer_file = cfg.data.tokenizer_path if cfg.data.tokenizer != "byte" else None
+    if not tokenizer_file:  # bytes, or a BPE trained on the corpus (its file is in the cache): write it out
+        tokenizer.save(out_dir / "tokenizer.json")
+        tokenizer_file = str(out_dir / "tokenizer.json")
     return export_hf(cfg.model, restored["params"], str(out_dir), arch,
                      special_tokens=_special_tokens(record, tokenizer),
                      generation_config=record.get("generation_config"), tokenizer=tokenizer_file,

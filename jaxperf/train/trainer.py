@@ -28,7 +28,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
-from jaxperf.data import Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, with_vocab
+from jaxperf.data import (Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, vocab_note,
+                          with_vocab)
 from jaxperf.generate import Generator
 from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
@@ -42,8 +43,8 @@ from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hostmem import host_memory
 from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
 from jaxperf.step.task import LossFn, TrainState, build_task, step_microbatches
-from jaxperf.checkpoint import Checkpointer, NoIntactCheckpointError
-from jaxperf.train.hooks import Hook, MetricsWriter, Progress, default_hooks, log
+from jaxperf.checkpoint import Checkpointer, CheckpointSaveError, NoIntactCheckpointError
+from jaxperf.train.hooks import Hook, MetricsWriteError, MetricsWriter, Progress, default_hooks, log
 from jaxperf.train.pretrained import InitSource
 from jaxperf.train.rundir import HISTORY_NAME, RunDir, RunDirError
 
@@ -101,6 +102,9 @@ class Trainer:
             self.tokenizer = tokenizer or self.source.tokenizer(cfg)
         elif train_data is None:  # the tokenizer settles the vocabulary before anything is checked
             self.tokenizer = tokenizer or tokenizer_for(cfg)
+            note = vocab_note(cfg, self.tokenizer)  # e.g. model.vocab_size=512 under the byte tokenizer
+            if note:
+                log(note)
             cfg = with_vocab(cfg, self.tokenizer)
         self.mesh_shape = mesh_shape(cfg.parallel, len(devices))
         validate(cfg, len(devices), self.mesh_shape, model=make_model is None)  # every check before compiling
@@ -185,6 +189,12 @@ class Trainer:
         return meta
 
     def evaluate(self, state: TrainState) -> float:
+        """The mean loss per token over the first cfg.eval_batches validation batches; ValueError without any (a
+        loss that was not measured is never reported)."""
+        if self.val_data is None or self.cfg.eval_batches < 1:
+            raise ValueError(f"nothing to evaluate on: eval_batches={self.cfg.eval_batches} and the validation split "
+                             f"is {'missing' if self.val_data is None else 'there'}; set eval_batches >= 1 (with "
+                             f"data.val_fraction > 0)")
         _, eval_step = self._steps()
         total, weight = 0.0, 0.0
         for i in range(self.cfg.eval_batches):
@@ -205,7 +215,8 @@ class Trainer:
 
         The run directory is locked for the whole call (jaxperf.train.rundir): a second run on it is refused. Raises
         RunDirError for a run directory that cannot be used as asked, CheckpointSaveError when a save fails (the run
-        stops at once; the last good step is named)."""
+        stops at once; the last good step is named), MetricsWriteError (a CheckpointSaveError) when metrics.jsonl
+        cannot be written (a checkpoint is saved first where possible)."""
         cfg = self.cfg
         if cfg.compile_cache_dir:  # only programs that take a while to compile: small helpers cost more than they save
             enable_compilation_cache(cfg.compile_cache_dir, min_compile_time_s=1.0)
@@ -225,14 +236,19 @@ class Trainer:
         elif not cfg.resume and _on_first_process(run.has_run, "the run directory", share_bool=True):
             raise RunDirError(f"run_dir {self.run_dir} already holds a run and resume=false: resume it (resume=true), "
                               f"use another run_dir, or set start_over=true to move it to {self.run_dir}/previous/")
-        ckpt = Checkpointer(self.run_dir / "checkpoints", keep=cfg.keep_checkpoints,
-                            keep_every=cfg.keep_checkpoints_every or None)
+        ckpt_dir = self.run_dir / "checkpoints"
+        made_ckpt_dir = not ckpt_dir.exists()
+        ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, keep_every=cfg.keep_checkpoints_every or None)
+        writer = MetricsWriter(self.run_dir, cfg.tensorboard)
         try:
             start = 0
-            if self.source is not None:
-                _on_first_process(lambda: self.source.save_tokenizer(self.tokenizer), "saving the tokenizer")
             if state is None:
                 state, start = self.init_or_restore(ckpt)
+            if self.source is not None:  # once the source has read back intact
+                _on_first_process(lambda: self.source.save_tokenizer(self.tokenizer), "saving the tokenizer")
+            note = _on_first_process(writer.open, "opening metrics.jsonl")
+            if note:
+                log(note)
             changes = _on_first_process(lambda: run.record_config(to_dict(cfg), start), "writing config.json")
             if changes:
                 shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:4])
@@ -240,13 +256,17 @@ class Trainer:
                 log(f"settings changed at step {start}: {shown}{more}; recorded in {run.path / HISTORY_NAME}")
         except BaseException:
             _close_quietly(ckpt)
+            writer.close()
+            if made_ckpt_dir:  # a start refused before its first save leaves no empty checkpoints/ behind
+                _on_first_process(lambda: _remove_if_empty(ckpt_dir), "cleaning up")
             raise
-        self.report_startup(state)
-        if start >= cfg.max_steps:
-            log(f"the run in {self.run_dir} is already at step {start} >= max_steps={cfg.max_steps}: nothing to train")
-        train_step, _ = self._steps()
-        loop = Loop(self, train_step, train_step.to_step(state), start, ckpt)
         try:
+            self.report_startup(state)
+            if start >= cfg.max_steps:
+                log(f"the run in {self.run_dir} is already at step {start} >= max_steps={cfg.max_steps}: nothing to "
+                    f"train")
+            train_step, _ = self._steps()
+            loop = Loop(self, train_step, train_step.to_step(state), start, ckpt, writer=writer)
             loop.run(self.hooks())
         except BaseException:
             _close_quietly(ckpt)
@@ -254,7 +274,7 @@ class Trainer:
         else:
             ckpt.close()  # every save confirmed (or CheckpointSaveError) before the run reports anything saved
         finally:
-            loop.writer.close()
+            writer.close()
         summary = loop.summary
         summary.update(state=loop.usual_state(), losses=loop.losses,
                        final_loss=loop.losses[max(loop.losses)] if loop.losses else None)
@@ -318,11 +338,17 @@ class Loop:
     `read_metrics`, `usual_state`, `save` and `request_stop`.
     """
 
-    def __init__(self, trainer: Trainer, train_step: FlavouredStep, state, start: int, checkpointer: Checkpointer):
+    def __init__(self, trainer: Trainer, train_step: FlavouredStep, state, start: int, checkpointer: Checkpointer,
+                 writer: MetricsWriter | None = None):
         self.trainer, self.cfg, self.train_step = trainer, trainer.cfg, train_step
         self.state, self.start, self.max_steps = state, start, trainer.cfg.max_steps
         self.checkpointer = checkpointer
-        self.writer = MetricsWriter(trainer.run_dir, self.cfg.tensorboard)
+        if writer is None:
+            writer = MetricsWriter(trainer.run_dir, self.cfg.tensorboard)
+            note = writer.open()
+            if note:
+                log(note)
+        self.writer = writer
         self.progress = Progress(self.max_steps)
         self.summary: dict[str, Any] = {}
         self.losses: dict[int, float] = {}
@@ -346,6 +372,30 @@ class Loop:
 
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
+
+    def _record_failed(self, step: int) -> bool:
+        """Whether writing the record (metrics.jsonl) failed; with several processes, asked of process 0 (the one
+        that writes) at logging steps and the last step only, so that every process agrees at the same step."""
+        if jax.process_count() == 1:
+            return self.writer.error is not None
+        if step % self.cfg.log_every and step != self.max_steps:
+            return False
+        failed = np.asarray(self.writer.error is not None, np.int32)
+        return bool(multihost_utils.broadcast_one_to_all(failed))
+
+    def _stop_on_record(self, step: int) -> None:
+        """The record could not be written: save a checkpoint at `step`, like a stop, and raise MetricsWriteError
+        (the exit of a failed save: the message names the file, errno and last good step)."""
+        failed_at, error = self.writer.error or (step, OSError(0, "failed on process 0"))
+        saved, why = None, None
+        try:
+            self.save(step, force=True)
+            self.checkpointer.wait()
+            saved = step
+        except CheckpointSaveError as e:
+            why = e.reason
+        raise MetricsWriteError(self.writer.path, failed_at, error, saved=saved,
+                                last_good=self.checkpointer.last_saved, save_failure=why)
 
     def _due(self, hook: Hook, step: int) -> bool:
         return bool(hook.every) and (step % hook.every == 0 or step == self.max_steps)
@@ -391,6 +441,8 @@ class Loop:
                     for hook in hooks:
                         if self.stop_reason is None and self._due(hook, done):
                             hook.on_step(self, done)
+                    if self._record_failed(done):
+                        self._stop_on_record(done)
                     if self.stop_reason is not None:
                         self.read_metrics()
                         for hook in hooks:
@@ -399,6 +451,8 @@ class Loop:
                         break
             self.read_metrics()
             self.progress.close()
+            if self._record_failed(self.data_step):
+                self._stop_on_record(self.data_step)
             if self.stop_reason is None:
                 for hook in hooks:
                     hook.on_end(self)
@@ -432,6 +486,13 @@ def _on_first_process(fn: Callable[[], Any], what: str, *, share_bool: bool = Fa
     if share_bool:
         return bool(multihost_utils.broadcast_one_to_all(np.asarray(bool(result), np.int32)))
     return result
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()  # only an empty directory: anything in it stays
+    except OSError:
+        pass
 
 
 def _close_quietly(ckpt: Checkpointer) -> None:
