@@ -104,6 +104,11 @@ def _quiet_orbax_logging() -> None:
             # is reported once, by the Checkpointer.
             if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
                 return
+            # After a failed read, the reads Orbax had started for the other arrays are dropped unfinished: one
+            # traceback with a TensorStore spec per array. The failure itself is reported once, by the Checkpointer.
+            code = getattr(unraisable.object, "cr_code", None)
+            if code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename:
+                return
             previous(unraisable)
 
         hook._jaxperf = True
