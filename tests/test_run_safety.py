@@ -350,6 +350,44 @@ def test_an_unwritable_run_dir_is_one_clear_line(shared_dir):
     assert "run_dir run is not writable by this user" in _one_line(out.stderr)
 
 
+def test_a_read_only_metrics_file_is_refused_before_anything_is_written(shared_dir):
+    (shared_dir / "run").mkdir()
+    (shared_dir / "run").chmod(0o777)
+    (shared_dir / "run" / "metrics.jsonl").write_text("")
+    (shared_dir / "run" / "metrics.jsonl").chmod(0o444)
+    out = _run_as_other(shared_dir, "max_steps=2", "run_dir=run", timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "cannot write run/metrics.jsonl: Permission denied [errno 13]" in _one_line(out.stderr)
+    assert not (shared_dir / "run" / "config.json").exists() and not (shared_dir / "run" / "checkpoints").exists()
+
+
+def test_an_unwritable_data_cache_dir_is_one_line_naming_the_setting(shared_dir):
+    (shared_dir / "cache-ro").mkdir()
+    (shared_dir / "cache-ro").chmod(0o555)
+    out = _run_as_other(shared_dir, "max_steps=2", "run_dir=run", "data.cache_dir=cache-ro", timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = _one_line(out.stderr)
+    assert "data.cache_dir=cache-ro cannot be used: cache-ro/" in line and "Permission denied [errno 13]" in line
+    assert line.endswith("make it writable by this user or choose another data.cache_dir"), line
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
+    proc = start_train(tmp_path, [*RUN, "max_steps=100000", "run_dir=run"], devices=1)
+    try:
+        wait_for_steps(tmp_path / "run", 3, proc)
+        proc.send_signal(signal.SIGINT)  # saves after the current step...
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # ...unless a second one comes first
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert "stopped at once by a second Ctrl-C, without saving" in _one_line(err)
+    assert len(err.strip().splitlines()) == 2, err[-3000:]  # the first Ctrl-C's note and that line
+
+
 @pytest.mark.slow
 def test_a_token_file_truncated_during_training_stops_with_its_name_not_sigbus(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 256, 400_000).astype(np.uint16)

@@ -9,7 +9,8 @@
     jaxperf quantize --checkpoint DIR --out DIR2      jaxperf.cli.quantize
     jaxperf bench [names] [--tiny]                    jaxperf.benchmarks.run
 
-Subcommand modules are imported only when chosen, so `jaxperf --help` starts fast.
+Subcommand modules are imported only when chosen, so `jaxperf --help` starts fast. Every command runs through
+`jaxperf.cli._errors.run_command`: a user error is one line and a documented exit status, a traceback is a bug.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import importlib
 import os
 import sys
 
+from jaxperf.cli._errors import run_command
 from jaxperf.perf.hostmem import reexec_with_huge_pages
 
 # name -> (module, one-line help)
@@ -41,7 +43,7 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one subcommand; returns its exit code (2 for a usage error)."""
+    """Run one subcommand; returns its exit code (2 for a usage error; the codes are in jaxperf.cli._errors)."""
     # Without an accelerator plugin JAX's backend probing prints warnings; an explicit JAX_PLATFORMS still wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxperf: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_command(name, module.main, rest)
 
 
 def run() -> None:

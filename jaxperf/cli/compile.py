@@ -1,17 +1,18 @@
 """`jaxperf compile --topology v5p:4x4x4 [--slices N] [--preset NAME] [key=value ...] [--json]`.
 
 Compiles a run's train step for a TPU slice on this machine (needs libtpu) and reports memory and FLOPs per chip
-(jaxperf.train.topology). Exit code 1 when the step does not fit the chip's memory.
+(jaxperf.train.topology). Exit code 1 when the step does not fit the chip's memory, 2 for a bad flag or setting
+or a missing libtpu.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from jaxperf.config import ConfigError, get_config
-from jaxperf.train.topology import TopologyError, compile_for_topology, format_report
+from jaxperf.cli._errors import CommandError
+from jaxperf.config import get_config
+from jaxperf.train.topology import compile_for_topology, format_report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,11 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        cfg = get_config(args.preset, args.overrides)
-        report = compile_for_topology(cfg, args.topology, args.slices, hlo_out=args.hlo_out)
-    except (ConfigError, TopologyError) as e:
-        print(f"jaxperf compile: {e}", file=sys.stderr)
-        return 2
+    if args.slices < 1:
+        raise CommandError(f"--slices {args.slices} must be at least 1")
+    cfg = get_config(args.preset, args.overrides)  # ConfigError and TopologyError: one line, exit 2 (cli._errors)
+    report = compile_for_topology(cfg, args.topology, args.slices, hlo_out=args.hlo_out)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["fits"] is not False else 1

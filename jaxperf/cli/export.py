@@ -10,10 +10,11 @@ streamed one tensor at a time (jaxperf.train.pretrained.export_run).
 from __future__ import annotations
 
 import argparse
-import sys
+from pathlib import Path
 
-from jaxperf.config import ConfigError
-from jaxperf.interop import EXPORT_DTYPES, SUPPORTED, HFCheckpointError
+from jaxperf.cli._errors import CommandError
+from jaxperf.interop import EXPORT_DTYPES, SUPPORTED
+from jaxperf.interop._safetensors import parse_size
 from jaxperf.train.pretrained import export_run
 
 
@@ -32,10 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        files = export_run(args.checkpoint, args.out, step=args.step, arch=args.arch,
-                           max_shard_size=args.max_shard_size, dtype=args.dtype)
-    except (ConfigError, HFCheckpointError, FileNotFoundError, ValueError) as e:
-        print(f"jaxperf export: {e}", file=sys.stderr)
-        return 2
+        shard_bytes = parse_size(args.max_shard_size)
+    except ValueError:
+        raise CommandError(f"--max-shard-size {args.max_shard_size!r} is not a size: write e.g. 2GB, 500MB or a "
+                           f"number of bytes") from None
+    if shard_bytes < 1:
+        raise CommandError(f"--max-shard-size {args.max_shard_size!r} must be at least 1 byte")
+    if args.step is not None and args.step < 0:
+        raise CommandError(f"--step {args.step} must be a checkpoint step (>= 0); leave it out for the newest")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise CommandError(f"--out {out} is a file: give a directory (it is created if missing)")
+    files = export_run(args.checkpoint, out, step=args.step, arch=args.arch, max_shard_size=args.max_shard_size,
+                       dtype=args.dtype)
     print(f"wrote {args.out}: {len(files)} weight file(s), config.json, generation_config.json", flush=True)
     return 0

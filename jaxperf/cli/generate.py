@@ -2,18 +2,19 @@
 printing text as it is produced.
 
     jaxperf generate --checkpoint runs/tiny --prompt "def " --max-tokens 200 --temperature 0.8 --top-p 0.95
+
+Every flag is checked before the checkpoint is read, the prompt's length before anything is printed; a bad one is
+one line naming the flag, exit 2 (jaxperf.cli._errors).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
+from jaxperf.cli._errors import CommandError, refused
 from jaxperf.cli._load import load_generator
-from jaxperf.config import ConfigError
 from jaxperf.generate.engine import TextStream
 from jaxperf.generate.sampling import check_settings
-from jaxperf.interop import HFCheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,19 +31,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _as_flags(message: str) -> str:
+    """A library message about sampling settings in the flags' names (`top_k=0` -> `--top-k 0`)."""
+    for name in ("temperature", "top_k", "top_p"):
+        message = message.replace(f"{name}=", f"--{name.replace('_', '-')} ")
+    return message
+
+
+def check_sampling(args: argparse.Namespace, vocab_size: int | None = None) -> None:
+    """CommandError naming the flag for a sampling setting that cannot mean anything (for this vocabulary)."""
+    try:
+        check_settings(args.temperature, args.top_k, args.top_p, vocab_size)
+    except ValueError as e:
+        raise CommandError(_as_flags(str(e))) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-
-    try:
-        check_settings(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        print(f"jaxperf generate: {e}", file=sys.stderr)
-        return 2
-    try:
+    for flag, value in (("--max-tokens", args.max_tokens), ("--chunk", args.chunk)):
+        if value < 1:
+            raise CommandError(f"{flag} {value} must be at least 1")
+    check_sampling(args)  # before the checkpoint is read
+    with refused(ValueError):  # a config.json or int8 scales that cannot be used
         gen = load_generator(args.checkpoint)
-    except (ConfigError, HFCheckpointError) as e:
-        print(f"jaxperf generate: {e}", file=sys.stderr)
-        return 2
+    with refused(ValueError, prefix="--prompt: "):  # an empty prompt, or ids outside the vocabulary
+        (ids,) = gen.encode([args.prompt])
+    context = gen.cfg.max_seq_len
+    if len(ids) >= context:
+        raise CommandError(f"--prompt is {len(ids)} tokens: the model's context is {context} tokens "
+                           f"(model.max_seq_len), so a prompt may be at most {context - 1} tokens to leave room "
+                           f"to generate: shorten it")
+    check_sampling(args, gen.cfg.vocab_size)
     print(args.prompt, end="", flush=True)
     text = TextStream(gen.tokenizer)
     stream = gen.stream([args.prompt], args.max_tokens, temperature=args.temperature, top_k=args.top_k,

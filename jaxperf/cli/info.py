@@ -28,12 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    cfg = get_config(args.preset, args.overrides)  # an unknown preset or key: one line, exit 2 (cli._errors)
     devices = jax.devices()
     print(f"jax {jax.__version__}, flax {flax.__version__}, optax {optax.__version__}, python {sys.version.split()[0]}")
     print(f"platform {jax.default_backend()}: {len(devices)} devices ({devices[0].device_kind}), "
           f"{jax.process_count()} process(es), {len(jax.local_devices())} local")
-    try:
-        cfg = get_config(args.preset, args.overrides)
+    try:  # a mesh this machine cannot hold is reported, not refused: that is what info is asked
         shape = mesh_shape(cfg.parallel, len(devices))
         print(f"mesh for preset {args.preset or 'tiny'}: " + " ".join(f"{a}={shape[a]}" for a in MESH_AXES)
               + f", strategy {cfg.parallel.strategy}")

@@ -10,8 +10,8 @@ is written to DIR2/quantization.json (jaxperf.generate.quantize).
 from __future__ import annotations
 
 import argparse
-import sys
 
+from jaxperf.cli._errors import CommandError, refused
 from jaxperf.generate.quantize import quantize_run
 
 
@@ -27,16 +27,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.eval_batches < 0 or args.batch_size < 1:
-        print(f"jaxperf quantize: --eval-batches {args.eval_batches} must be >= 0 and --batch-size "
-              f"{args.batch_size} >= 1", file=sys.stderr)
-        return 2
-    try:
+    if args.eval_batches < 0:
+        raise CommandError(f"--eval-batches {args.eval_batches} must be at least 0 (0: skip the perplexity)")
+    if args.batch_size < 1:
+        raise CommandError(f"--batch-size {args.batch_size} must be at least 1")
+    if args.step is not None and args.step < 0:
+        raise CommandError(f"--step {args.step} must be a checkpoint step (>= 0); leave it out for the newest")
+    with refused(ValueError):  # quantize_run's refusals: an input already int8, --out the same as --checkpoint
         report = quantize_run(args.checkpoint, args.out, step=args.step, eval_batches=args.eval_batches,
                               batch_size=args.batch_size)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"jaxperf quantize: {e}", file=sys.stderr)
-        return 2
     before, after = report["weight_bytes_before"], report["weight_bytes_after"]
     print(f"int8 weights of step {report['source_step']}: {len(report['quantized'])} tensors; weight bytes "
           f"{before:,} -> {after:,} ({after / before:.3f}x)")

@@ -75,9 +75,14 @@ class Checkpoint:
         for name in files:
             path = os.path.join(directory, name)
             header, start = _header(path)
+            size = os.path.getsize(path)
             for key, info in header.items():
                 if key == "__metadata__":
                     continue
+                end = start + int(info["data_offsets"][1])
+                if end > size:  # checked here: a memory map past the end would fail later, or fault on reading
+                    raise HFCheckpointError(f"{path} is truncated: tensor {key} ends at byte {end} but the file has "
+                                            f"{size} bytes; copy or download it again")
                 self.shapes[key] = tuple(int(d) for d in info["shape"])
                 self.dtypes[key] = info["dtype"]
                 self._where[key] = (path, start + int(info["data_offsets"][0]))
