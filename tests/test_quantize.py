@@ -122,7 +122,7 @@ def test_a_quantized_checkpoint_serves_and_a_damaged_scale_is_refused(tmp_path, 
     from jaxperf.cli import main
 
     capsys.readouterr()
-    assert main(["serve", "--checkpoint", str(out), "--no-warmup"]) == 2
+    assert main(["serve", "--checkpoint", str(out), "--no-warmup", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("jaxperf serve: checkpoint step 7") and "scales" in err and len(err.splitlines()) == 1
 

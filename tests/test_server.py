@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -515,6 +516,28 @@ def test_a_huge_body_is_refused_without_stalling_health(server):
     assert status == 413 and "over 65536 bytes" in json.loads(text)["error"]
 
 
+def test_clients_that_leave_mid_body_are_counted_and_logged_in_one_line(gen, caplog):
+    srv = Server(create_app(gen, max_batch=2, chunk=4))
+    try:
+        with caplog.at_level(logging.WARNING):
+            for path in ("/generate", "/v1/completions", "/generate"):
+                s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+                s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: 100\r\n\r\n{{\"prompt\": ".encode())
+                time.sleep(0.2)  # the handler is reading the body when the client goes
+                s.close()
+            wait_until(lambda: srv.metrics()["client_gone"] == 3, 30, "three clients counted as gone")
+        metrics = srv.metrics()
+        assert metrics["http_errors"] == 0 and metrics["rejected"] == 0 and metrics["received"] == 0, metrics
+        notes = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(notes) == 1 and notes[0].name == "jaxperf.serve", [r.getMessage() for r in notes]
+        message = notes[0].getMessage()  # the others come within GONE_NOTE_S of it: counted, not logged
+        assert "POST /generate: the client went away after 11 of 100 body bytes; 1 such request(s) so far" in message
+        assert "\n" not in message and not notes[0].exc_info
+    finally:
+        srv.close()
+
+
 def test_wrong_method_unknown_route_page_and_health_are_json_or_html(server):
     got, text = server.post("/health", {})
     assert got == 405 and json.loads(text)["error"] == "POST is not allowed on /health"
@@ -569,7 +592,7 @@ def test_cli_serve_runs_replicas_and_answers_v1(tmp_path):
             except OSError:
                 return False
 
-        wait_until(listening, 60, "the server to listen")  # "serving" is printed just before uvicorn binds
+        wait_until(listening, 60, "the server to listen")  # the port is held; uvicorn accepts just after "serving"
         status, text = srv.post("/v1/completions", {"model": "story", "prompt": "abc", "max_tokens": 5, "seed": 1})
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 5, text
         health = json.loads(srv.get("/health")[2])
@@ -591,3 +614,38 @@ def test_cli_serve_refuses_rows_that_do_not_split_over_a_replica(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert err == ("jaxperf serve: --max-batch 3 rows do not split over --devices-per-replica 2 (--replica-axis "
                    "data): give a multiple of 2")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-batch", "0"], "--max-batch 0 must be at least 1 (rows one replica decodes together)"),
+    (["--chunk", "0"], "--chunk 0 must be at least 1"),
+    (["--max-len", "1"], "--max-len 1 must be at least 2"),
+    (["--prefill-budget", "0"], "--prefill-budget 0 must be at least 1"),
+    (["--request-timeout-s", "0"], "--request-timeout-s 0.0 must be a positive number of seconds"),
+    (["--port", "70000"], "--port 70000 must be at most 65535"),
+])
+def test_cli_serve_names_the_flag_before_reading_anything(tmp_path, capsys, monkeypatch, flags, message):
+    from jaxperf.cli import main, serve
+
+    monkeypatch.setattr(serve, "load_generator", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["serve", "--checkpoint", str(tmp_path), "--port", "0", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("jaxperf serve: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_cli_serve_on_a_busy_port_fails_before_reading_or_compiling(tmp_path, capsys, monkeypatch):
+    from jaxperf.cli import main, serve
+
+    monkeypatch.setattr(serve, "load_generator", lambda *a, **k: pytest.fail("the checkpoint was read"))
+    (tmp_path / "config.json").write_text("{}")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--checkpoint", str(tmp_path), "--port", str(port)]) == 2
+    out, err = capsys.readouterr()
+    assert "serving" not in out and "compiled" not in out, out
+    assert err == (f"jaxperf serve: --port {port} on 127.0.0.1 is in use by another process (Address already in use "
+                   f"[errno 98]): stop it, or choose another --port (--port 0 picks a free one)\n"), err

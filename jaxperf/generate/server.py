@@ -15,14 +15,17 @@ Routes:
   GET /v1/models        the served model, as OpenAI lists models.
   GET /health           {"status": "ok", the model, replicas and their devices, limits}
   GET /metrics          counters: received, requests, completed, rejected, failed, timeouts, cancelled, tokens, queue,
-                        active rows, slot uses, decode tokens/s, in total and per replica
+                        active rows, slot uses, decode tokens/s, in total and per replica; client_gone (clients
+                        that went away before their whole body arrived)
   GET /                 a page to type a prompt and watch the continuation appear
 
 Every answer is JSON, errors included: a bad request gets 400 with {"error": message} naming the field, its value,
 the allowed range and the fix (413 for a body over the cap, 422 for a prompt too long for the model; OpenAI's
 error shape on /v1); a request that runs past the server's timeout gets 504 and frees its slot; an internal failure
 gets 500 with the reason, and only the requests it touched fail. A client that disconnects is cancelled: its slot is
-freed at the next chunk boundary. Bodies are read up to `max_body_bytes` and parsed (and tokenized) off the event
+freed at the next chunk boundary; one that goes away before its whole body arrived is counted (`client_gone`) and
+logged in one line, at most one every GONE_NOTE_S seconds (a flood of half-open clients is a few lines, not a
+traceback each). Bodies are read up to `max_body_bytes` and parsed (and tokenized) off the event
 loop, so a huge or slow body never stalls /health.
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -43,6 +47,18 @@ from jaxperf.generate.scheduler import Request, Scheduler
 
 POLL_S = 0.2  # how often a waiting handler checks that its client is still there
 BACKSTOP_S = 30.0  # an answer later than timeout + this is given up by the handler itself (a stuck replica)
+GONE_NOTE_S = 10.0  # at most one log line per this many seconds about clients gone before their body arrived
+
+_logger = logging.getLogger("jaxperf.serve")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its whole request body arrived."""
+
+    def __init__(self, received: int, length: int | None):
+        self.received, self.length = received, length
+        of = f" of {length}" if length is not None else ""
+        super().__init__(f"the client went away after {received}{of} body bytes")
 
 
 class _HTTPCounters:
@@ -50,14 +66,33 @@ class _HTTPCounters:
         self.lock = threading.Lock()
         self.rejected = 0  # 4xx answers
         self.errors = 0  # 5xx answers from the HTTP layer itself (an exception in a handler)
+        self.client_gone = 0  # clients that went away before their whole body arrived
+        self._gone_noted = 0  # client_gone when the last line about it was logged
+        self._gone_note_at = -GONE_NOTE_S
 
     def add(self, name: str) -> None:
         with self.lock:
             setattr(self, name, getattr(self, name) + 1)
 
+    def note_gone(self, where: str, e: ClientGone) -> None:
+        """Count a client gone mid-body; log one line now unless one was logged in the last GONE_NOTE_S seconds."""
+        with self.lock:
+            self.client_gone += 1
+            now = time.monotonic()
+            if now - self._gone_note_at < GONE_NOTE_S:
+                return
+            since, self._gone_noted, self._gone_note_at = self.client_gone - self._gone_noted, self.client_gone, now
+            total = self.client_gone
+        more = f" ({since} since the last note)" if since > 1 else ""
+        _logger.warning("%s: %s; %d such request(s) so far%s, counted as client_gone in /metrics", where, e, total,
+                        more)
+
 
 async def read_body(request, max_bytes: int) -> bytes:
-    """The request body, refused with 413 past `max_bytes` (before reading when Content-Length says so)."""
+    """The request body, refused with 413 past `max_bytes` (before reading when Content-Length says so);
+    ClientGone when the client leaves before all of it arrived."""
+    from starlette.requests import ClientDisconnect
+
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -66,12 +101,15 @@ async def read_body(request, max_bytes: int) -> bytes:
             raise BadRequest(f"the body is {int(length)} bytes; this server takes at most {max_bytes} "
                              f"(jaxperf serve --max-body-bytes)", status=413)
     chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > max_bytes:
-            raise BadRequest(f"the body is over {max_bytes} bytes, the most this server takes "
-                             f"(jaxperf serve --max-body-bytes)", status=413)
-        chunks.append(part)
+    try:
+        async for part in request.stream():
+            size += len(part)
+            if size > max_bytes:
+                raise BadRequest(f"the body is over {max_bytes} bytes, the most this server takes "
+                                 f"(jaxperf serve --max-body-bytes)", status=413)
+            chunks.append(part)
+    except ClientDisconnect:
+        raise ClientGone(size, None if length is None else int(length)) from None
     return b"".join(chunks)
 
 
@@ -223,11 +261,18 @@ def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 
         body = openai.error(str(e), e.status, e.param) if openai_shape else {"error": str(e)}
         return JSONResponse(body, status_code=e.status)
 
+    def gone(request: HTTPRequest, e: ClientGone):
+        client = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        counters.note_gone(f"{client} {request.method} {request.url.path}", e)
+        return Response(status_code=499)  # nobody reads it
+
     async def generate(request: HTTPRequest):
         try:
             settings = await body_of(request, lambda b: parse_generate(b, limits))
         except BadRequest as e:
             return reject(e, False)
+        except ClientGone as e:
+            return gone(request, e)
         req, events = submit(settings)
         if not settings["stream"]:
             async for event in events_of(req, events, request):
@@ -248,6 +293,8 @@ def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 
             settings = await body_of(request, lambda b: openai.parse_completion(b, limits, model=model_name))
         except BadRequest as e:
             return reject(e, True)
+        except ClientGone as e:
+            return gone(request, e)
         req, events = submit(settings)
         created = int(time.time())
         ids = dict(request_id=req.id, model=model_name, created=created)
@@ -282,7 +329,7 @@ def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 
 
     async def metrics_route(_):
         with counters.lock:
-            http = {"rejected": counters.rejected, "http_errors": counters.errors}
+            http = {"rejected": counters.rejected, "http_errors": counters.errors, "client_gone": counters.client_gone}
         return JSONResponse({**scheduler.metrics(), **http})
 
     async def models_route(_):
@@ -321,4 +368,4 @@ def create_app(generators: Generator | Sequence[Generator], *, max_batch: int = 
     return app
 
 
-__all__ = ["PAGE", "create_app", "read_body"]
+__all__ = ["GONE_NOTE_S", "PAGE", "ClientGone", "create_app", "read_body"]
