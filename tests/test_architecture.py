@@ -94,11 +94,14 @@ def test_no_lazy_imports_of_the_library_or_its_core_dependencies():
     assert not lazy, "move these imports to the top of the module:\n" + "\n".join(lazy)
 
 
-def test_model_code_never_asks_the_backend():
-    for name in ("gpt.py", "layers.py", "hooks.py"):
-        source = (PACKAGE / "models" / name).read_text()
-        assert "default_backend" not in source, f"jaxperf/models/{name} branches on the backend: settle the choice " \
-                                                f"in jaxperf/models/platform.py instead"
+def test_model_code_never_asks_the_backend_or_the_mesh_which_platform_it_is_for():
+    """Platform choices are settled once into the model config (jaxperf.models.platform.settle): nothing in models/
+    looks up the backend, a device's platform or a platform set by a surrounding context while a step is traced."""
+    lookups = ("default_backend", "target_platform", "compiling_for", "platform_of", ".platform ==", "devices(")
+    found = [f"jaxperf/models/{path.name}: {word}" for path in sorted((PACKAGE / "models").glob("*.py"))
+             for word in lookups if word in path.read_text()]
+    assert not found, "model code looks up its platform; settle the choice in jaxperf/models/platform.py and read " \
+                      "it from the model config instead:\n" + "\n".join(found)
 
 
 def test_pyproject_lists_every_package():

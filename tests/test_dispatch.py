@@ -1,6 +1,6 @@
-"""Implementations by the platform a step is compiled for: the table of jaxperf.models.platform, what "auto" traces
-under it, the reports that name each choice, and a train step compiled for a TPU slice on this CPU machine that gets
-the Mosaic flash-attention kernel and the chunked loss by default."""
+"""Implementations by the platform a step is compiled for: the table of jaxperf.models.platform, the model config
+settled once from it (what the model then traces), the reports that name each choice, and a train step compiled for a
+TPU slice on this CPU machine that gets the Mosaic flash-attention kernel and the chunked loss by default."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxperf.config import ModelConfig, get_config
+from jaxperf.config import ConfigError, get_config
 from jaxperf.models import GPT, attention
 from jaxperf.models import platform as plat
-from jaxperf.parallel.mesh import compiling_for, target_platform
 
 from _accelerators import tpu_devices
 
@@ -83,35 +82,60 @@ def test_scan_unroll_is_the_platforms_unless_set():
     assert plat.for_platform(get_config("tiny", ["model.scan_unroll=2"]).model, "tpu").scan_unroll == 2
 
 
-def test_auto_attention_traces_the_kernel_for_the_target_platform_not_the_host():
+def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
+    cfg = get_config("gpt2-small")
+    mesh = {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}
+    settled = plat.settle(cfg, mesh, "tpu")
+    assert (settled.platform, settled.attention_impl, settled.loss_impl, settled.norm_impl) == (
+        "tpu", "pallas", "chunked", "xla")
+    assert (settled.scan_unroll, settled.matmul_grad_barrier) == (1, False)
+    on_cpu = plat.settle(get_config("tiny"), {"data": 8}, "cpu")
+    assert (on_cpu.platform, on_cpu.attention_impl, on_cpu.loss_impl, on_cpu.norm_impl) == ("cpu", "xla", "xla", "xla")
+    assert (on_cpu.scan_unroll, on_cpu.matmul_grad_barrier) == (4, True)
+    # ring attention where the sequence is split; the settled attention is what a model without the ring runs
+    ring = plat.settle(cfg, {**mesh, "seq": 2}, "tpu")
+    assert ring.attention_impl == "pallas" and ring.loss_impl == "xla"
+    line = plat.describe_settled(cfg, {**mesh, "seq": 2}, "tpu")
+    assert line.startswith("settled for tpu: attention=ring") and "loss=xla" in line and "scan_unroll=1" in line
+    with pytest.raises(ConfigError, match="model.platform='gpu' but the mesh's devices are 'tpu'"):
+        plat.settle(get_config("gpt2-small", ["model.platform=gpu"]), mesh, "tpu")
+
+
+def test_a_model_settled_for_tpu_traces_the_mosaic_kernel_on_this_host():
+    cfg = get_config("tiny", ["model.d_model=256", "model.n_heads=4", "model.dtype=bfloat16", "model.n_layers=1"])
+    tokens = jnp.zeros((1, 128), jnp.int32)
+    traced = {}
+    for platform in ("cpu", "tpu"):
+        model = GPT(plat.settle(cfg, {"data": 1}, platform), rngs=__import__("flax").nnx.Rngs(0))
+        traced[platform] = _traced_text(lambda t: model(t), tokens)
+    assert "pallas_call" not in traced["cpu"]
+    assert "pallas_call" in traced["tpu"]
+    # Built for TPU, not for the CPU interpreter: the kernel's tiles live in VMEM.
+    assert "Ref<vmem>" in traced["tpu"]
     q = jnp.zeros((1, 256, 4, 64), jnp.bfloat16)
     kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    assert target_platform() == "cpu"
-    on_cpu = _traced_text(lambda q, k, v: attention(q, k, v, causal=True), q, kv, kv)
-    with compiling_for("tpu"):  # a fresh function: a trace is cached by function and shapes, not by platform
-        assert target_platform() == "tpu"
-        on_tpu = _traced_text(lambda q, k, v: attention(q, k, v, causal=True), q, kv, kv)
-    assert "pallas_call" not in on_cpu
-    assert "pallas_call" in on_tpu
-    # Built for TPU, not for the CPU interpreter: the kernel's tiles live in VMEM.
-    assert "Ref<vmem>" in on_tpu
-    with compiling_for("tpu"), pytest.raises(RuntimeError, match="cuDNN attention needs an NVIDIA GPU.*'tpu'"):
-        attention(q, kv, kv, impl="cudnn")
+    assert "pallas_call" not in _traced_text(lambda q, k, v: attention(q, k, v, causal=True), q, kv, kv)
+    assert "Ref<vmem>" in _traced_text(lambda q, k, v: attention(q, k, v, platform="tpu"), q, kv, kv)
+    with pytest.raises(RuntimeError, match="cuDNN attention needs an NVIDIA GPU.*'tpu'"):
+        attention(q, kv, kv, impl="cudnn", platform="tpu")
 
 
-def test_auto_loss_chunks_the_logits_on_an_accelerator():
-    cfg = ModelConfig(d_model=64, n_layers=1, n_heads=2, vocab_size=4096, max_seq_len=256).resolved()
-    model = GPT(cfg, rngs=__import__("flax").nnx.Rngs(0))
+def test_the_settled_loss_chunks_the_logits_on_an_accelerator():
+    cfg = get_config("tiny", ["model.d_model=64", "model.n_layers=1", "model.n_heads=2", "model.vocab_size=4096",
+                              "model.max_seq_len=256", "batch_size=8"])
     batch = {"inputs": jnp.zeros((8, 256), jnp.int32), "targets": jnp.zeros((8, 256), jnp.int32)}
     full = "f32[8,256,4096]"  # the materialised fp32 logits
-    assert full in _traced_text(lambda b: model.next_token_loss(b)[0], batch)
-    with compiling_for("tpu"):  # 8 x 256 rows x 4096 x 4 bytes = 32 MiB: under the threshold, full logits
-        assert full in _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+
+    def traced(platform):
+        model = GPT(plat.settle(cfg, {"data": 1}, platform), rngs=__import__("flax").nnx.Rngs(0))
+        return _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+
+    assert full in traced("cpu")
+    assert full in traced("tpu")  # 8 x 256 rows x 4096 x 4 bytes = 32 MiB: under the threshold, full logits
     small = plat.CHUNKED_LOSS_BYTES
     try:
         plat.CHUNKED_LOSS_BYTES = 16 * 2**20
-        with compiling_for("tpu"):
-            chunked = _traced_text(lambda b: model.next_token_loss(b)[0], batch)
+        chunked = traced("tpu")
     finally:
         plat.CHUNKED_LOSS_BYTES = small
     assert full not in chunked and "f32[2048,4096]" not in chunked

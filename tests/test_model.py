@@ -122,9 +122,9 @@ def test_dense_is_the_einsum_in_value_and_gradient(materialise):
 
 def test_explicit_impl_that_cannot_run_raises():
     q = jnp.zeros((1, 4, 2, 8))
-    if jax.default_backend() != "gpu":
+    for platform in ("cpu", "tpu"):  # the platform a settled model config names
         with pytest.raises(RuntimeError, match="cudnn.*cannot run here: cuDNN attention needs an NVIDIA GPU"):
-            attention(q, q, q, impl="cudnn")
+            attention(q, q, q, impl="cudnn", platform=platform)
     with pytest.raises(ValueError, match="unknown attention impl 'flash'"):
         attention(q, q, q, impl="flash")
     np.testing.assert_array_equal(attention(q, q, q, impl="auto"), xla_attention(q, q, q))

@@ -32,6 +32,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
 NormImpl = Literal["auto", "xla", "pallas"]
 LossImpl = Literal["auto", "xla", "pallas", "chunked"]
+Platform = Literal["cpu", "gpu", "tpu"]
 Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
 Tokenizer = Literal["byte", "bpe", "hf"]
@@ -62,7 +63,7 @@ class ModelConfig:
     tie_embeddings: bool = True  # output projection = embedding table transposed
     scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
     # Layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params; remat then saves little:
-    # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.for_platform): on CPU the whole
+    # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.settle): on CPU the whole
     # stack when it has at most 4 layers, else 1; on TPU and GPU 1.
     scan_unroll: int | None = None
     remat: Remat = "none"  # what the backward recomputes (jaxperf.models.gpt.REMAT_POLICIES)
@@ -74,6 +75,10 @@ class ModelConfig:
     # Materialise each matmul's output gradient before the backward matmuls (helps XLA:CPU, which otherwise fuses
     # elementwise gradients into slow transposing copies). None: on when the step is compiled for CPU devices.
     matmul_grad_barrier: bool | None = None
+    # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
+    # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled
+    # config runs the portable choices: XLA for every "auto", scan_unroll 1, no barrier.
+    platform: Platform | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02

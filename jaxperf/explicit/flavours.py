@@ -68,7 +68,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxperf import _compat
 from jaxperf.config import ConfigError
 from jaxperf.models.hooks import LayerHooks
-from jaxperf.parallel.mesh import compiling_for, platform_of
 from jaxperf.parallel.pipeline import split_microbatches
 from jaxperf.parallel.rules import logical_to_spec
 from jaxperf.parallel.sharding import replicated
@@ -263,8 +262,7 @@ def _local_grads(task: Task, loss_fn: LossFn, params, model_state, batch, scale,
     """
 
     def scaled_loss(model, mb, s):
-        with compiling_for(platform_of(task.mesh)):  # no mesh is installed in a per-device body
-            loss, aux = loss_fn(model, mb)
+        loss, aux = loss_fn(model, mb)
         if weighted:
             loss = loss * jnp.asarray(aux.get("weight", 1.0), jnp.float32)
         return loss * s, aux

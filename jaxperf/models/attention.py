@@ -1,12 +1,14 @@
 """Attention with one API and several implementations.
 
-    out_BxLxHxDh = attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, impl="auto")
+    out_BxLxHxDh = attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, causal=True, impl="pallas", platform="tpu")
 
 Implementations: "xla" (plain jnp, the reference, runs everywhere), "cudnn" (`jax.nn.dot_product_attention` on NVIDIA
-GPUs, bf16/fp16), "pallas" (jaxperf's flash attention kernel) and whatever else is registered with
-`register_attention`. "auto" follows the platform table of jaxperf.models.platform for the platform the step is
-compiled for (`target_platform`): Pallas flash attention on TPU, cuDNN on GPU, XLA on CPU, XLA with the reason where
-the shapes rule the first choice out (warned once on accelerators). An explicit impl that cannot run raises.
+GPUs, bf16/fp16), "pallas" (jaxperf's flash attention kernel), "ring" (the sequence split over the mesh's `seq` axis)
+and whatever else is registered with `register_attention`. `platform` is the one the program is built for (the
+model passes its settled `cfg.platform`); "auto" follows the platform table of jaxperf.models.platform for it, with
+the shapes given: Pallas flash attention on TPU, cuDNN on GPU, XLA on CPU or when no platform is named, XLA with the
+reason where the shapes rule the first choice out (warned once on accelerators). An explicit impl that cannot run
+raises.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import jax.numpy as jnp
 
 from jaxperf.models.kernels import pallas_attention, pallas_attention_unavailable
 from jaxperf.models.platform import attention_choice
-from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.ring_attention import ring_attention_ambient, ring_unavailable
 from pallas_kernels.flash_attention import as_segment_ids
 
@@ -30,19 +31,21 @@ AttentionFn = Callable[..., jax.Array]
 @dataclass(frozen=True)
 class _Impl:
     fn: AttentionFn
-    # (q, k, v) -> None when the impl can run on the target platform, else the reason it cannot.
-    unavailable: Callable[[jax.Array, jax.Array, jax.Array], str | None]
+    # (q, k, v, platform) -> None when the impl can run on `platform` (None: not known), else the reason it cannot.
+    unavailable: Callable[[jax.Array, jax.Array, jax.Array, str | None], str | None]
 
 
 _REGISTRY: dict[str, _Impl] = {}
 _WARNED: set[str] = set()
 
 
-def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v: None) -> None:
-    """Add an implementation `fn(q, k, v, *, causal, segment_ids) -> out` under `name` (model.attention_impl=name).
+def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v, platform: None) -> None:
+    """Add an implementation `fn(q, k, v, *, causal, segment_ids, platform) -> out` under `name`
+    (model.attention_impl=name).
 
-    `unavailable(q, k, v)` returns None when it can run or the reason it cannot (`target_platform()` names the
-    platform being compiled for). "auto" never picks a registered implementation: name it.
+    `platform` is the one the program is built for ("cpu", "gpu", "tpu"; None for a model config that was never
+    settled). `unavailable(q, k, v, platform)` returns None when the impl can run there or the reason it cannot.
+    "auto" never picks a registered implementation: name it.
     """
     _REGISTRY[name] = _Impl(fn, unavailable)
 
@@ -86,15 +89,15 @@ def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, se
     return jnp.swapaxes(out_BxKxMxDh.reshape(B, H, L, Dh), 1, 2).astype(q_BxLxHxDh.dtype)
 
 
-def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None, platform=None):
     if segment_ids is not None:
         raise NotImplementedError("cudnn attention here takes no segment ids; use impl='xla'")
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-def _cudnn_unavailable(q, k, v) -> str | None:
-    if target_platform() != "gpu":
-        return f"cuDNN attention needs an NVIDIA GPU, the step is compiled for {target_platform()!r}"
+def _cudnn_unavailable(q, k, v, platform) -> str | None:
+    if platform not in (None, "gpu"):
+        return f"cuDNN attention needs an NVIDIA GPU, the step is compiled for {platform!r}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN attention needs bfloat16 or float16 inputs, got {q.dtype}"
     if q.shape[1] != k.shape[1]:
@@ -102,30 +105,35 @@ def _cudnn_unavailable(q, k, v) -> str | None:
     return None
 
 
-register_attention("xla", xla_attention)
+register_attention("xla", lambda q, k, v, *, causal=True, segment_ids=None, platform=None: xla_attention(
+    q, k, v, causal=causal, segment_ids=segment_ids))
 register_attention("cudnn", _cudnn_attention, _cudnn_unavailable)
 register_attention("pallas", pallas_attention, pallas_attention_unavailable)
 
 
-def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto"):
-    """Dispatch to an implementation. Shapes: q [B, L, H, Dh], k and v [B, S, K, Dh] with H % K == 0."""
+def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "auto", platform: str | None = None):
+    """Dispatch to an implementation. Shapes: q [B, L, H, Dh], k and v [B, S, K, Dh] with H % K == 0. `platform`:
+    the one the program is built for (None: not known, and "auto" runs XLA)."""
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"query heads {q.shape[2]} must be a multiple of kv heads {k.shape[2]}")
     if impl == "auto":
-        platform = target_platform()
-        choice = attention_choice(platform, dtype=q.dtype, head_dim=q.shape[3], heads=q.shape[2], kv_heads=k.shape[2],
-                                  q_len=q.shape[1], kv_len=k.shape[1], segment_ids=segment_ids is not None)
-        if choice.impl == "xla" and platform != "cpu" and platform not in _WARNED:
-            _WARNED.add(platform)
-            warnings.warn(f"attention impl 'auto' on {platform} fell back to 'xla': {choice.why}", stacklevel=2)
-        impl = choice.impl
+        impl = "xla"
+        if platform is not None:
+            choice = attention_choice(platform, dtype=q.dtype, head_dim=q.shape[3], heads=q.shape[2],
+                                      kv_heads=k.shape[2], q_len=q.shape[1], kv_len=k.shape[1],
+                                      segment_ids=segment_ids is not None)
+            if choice.impl == "xla" and platform != "cpu" and platform not in _WARNED:
+                _WARNED.add(platform)
+                warnings.warn(f"attention impl 'auto' on {platform} fell back to 'xla': {choice.why}", stacklevel=2)
+            impl = choice.impl
     if impl not in _REGISTRY:
         raise ValueError(f"unknown attention impl {impl!r}; registered: {', '.join(available_attention_impls())}")
-    why = _REGISTRY[impl].unavailable(q, k, v)
+    why = _REGISTRY[impl].unavailable(q, k, v, platform)
     if why is not None:
         raise RuntimeError(f"attention impl {impl!r} cannot run here: {why}. Use impl='auto' or 'xla'.")
-    return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids)
+    return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids, platform=platform)
 
 
 # Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention).
-register_attention("ring", ring_attention_ambient, ring_unavailable)
+register_attention("ring", lambda q, k, v, *, causal=True, segment_ids=None, platform=None: ring_attention_ambient(
+    q, k, v, causal=causal, segment_ids=segment_ids), lambda q, k, v, platform: ring_unavailable(q, k, v))

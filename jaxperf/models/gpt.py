@@ -20,9 +20,8 @@ from jaxperf.models import kernels
 from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
-from jaxperf.models.platform import layers_per_iteration, loss_choice
-from jaxperf.parallel.mesh import target_platform
-from jaxperf.parallel.rules import activation_spec, constrain, current
+from jaxperf.models.platform import layers_per_iteration
+from jaxperf.parallel.rules import constrain
 
 # Logical axes of one layer's KV cache [B, K, S, Dh]: rows follow the batch (data axes), KV heads the tensor axis.
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
@@ -66,7 +65,7 @@ class GPT(nnx.Module):
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs,
-                               impl=cfg.norm_impl)
+                               impl=cfg.norm_impl, platform=cfg.platform)
         self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
 
     def embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
@@ -102,7 +101,7 @@ class GPT(nnx.Module):
             def body(x, layer_state):
                 return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL), None
 
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg, target_platform()))
+            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg))
         else:
             for block in self.blocks:
                 graphdef, state = nnx.split(block)
@@ -176,41 +175,23 @@ class GPT(nnx.Module):
 
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
         [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; "xla" materialises the
-        logits in fp32; "auto" picks chunked or xla by platform and logits size (jaxperf.models.platform). The batch may carry `positions` and `segment_ids` [B, L] (packed
-        documents; a token order other than 0..L-1).
+        logits in fp32; "auto" was settled to one of them with the config (jaxperf.models.platform.settle). The batch
+        may carry `positions` and `segment_ids` [B, L] (packed documents; a token order other than 0..L-1).
         """
         inputs, targets = batch["inputs"], batch["targets"]
         positions, segments = batch.get("positions"), batch.get("segment_ids")
         mask = batch.get("mask")
         mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-        if self.cfg.loss_impl == "auto":
-            impl = self._auto_loss(targets.shape)
-        elif self.cfg.loss_impl == "chunked":
-            impl = "chunked"
-        else:
-            impl = kernels.resolve(self.cfg.loss_impl, "loss", lambda: None)
+        # "auto" is left only in a config never settled: resolve gives the portable choice, XLA
+        impl = "chunked" if self.cfg.loss_impl == "chunked" else kernels.resolve(self.cfg.loss_impl, "loss", lambda: None)
         if impl == "xla":
             return cross_entropy_from_logits(self(inputs, positions, segments), targets, mask)
         h_BxLxD = self.hidden(inputs, positions, segments)
         B, L, D = h_BxLxD.shape
         total, count = kernels.linear_cross_entropy(
             h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
-            mask.reshape(B * L), impl=impl)
+            mask.reshape(B * L), impl=impl, platform=self.cfg.platform)
         return total / jnp.maximum(count, 1.0), {"weight": count}
-
-    def _auto_loss(self, targets_shape) -> str:
-        """The loss impl "auto" runs here (jaxperf.models.platform.loss_choice): the rows one device holds follow from
-        the batch's sharding under the ambient mesh (a per-device body sees its own rows already)."""
-        spec = activation_spec(("batch", "seq", "vocab"), (*targets_shape, self.cfg.padded_vocab))
-        active = current()
-        splits = [1, 1, 1]
-        if spec is not None and active is not None:
-            for i, axes in enumerate(tuple(spec) + (None,) * (3 - len(spec))):
-                for a in (axes,) if isinstance(axes, str) else (axes or ()):
-                    splits[i] *= active[0].shape[a]
-        rows = targets_shape[0] * targets_shape[1] // (splits[0] * splits[1])
-        return loss_choice(target_platform(), rows_per_device=rows, vocab=self.cfg.padded_vocab,
-                           vocab_split=splits[2] > 1, seq_split=splits[1] > 1).impl
 
 
 def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):

@@ -4,9 +4,9 @@ A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (insid
 runs in a `shard_map` over the axes its operands are sharded on: the batch over the data-parallel axes, heads over
 `tensor`. Without a mesh the kernel is called directly.
 
-Every kernel is built for the platform the step is compiled for (`target_platform`: the mesh's devices), so a TPU
-topology compiled on a CPU host gets Mosaic kernels, not the CPU interpreter. What "auto" picks per platform is
-jaxperf.models.platform's table.
+Every kernel is built for the `platform` it is handed: the model's settled `cfg.platform`, that of the mesh's devices,
+so a TPU topology compiled on a CPU host gets Mosaic kernels, not the CPU interpreter (None, for a config never
+settled: the kernel's own default, JAX's backend). What "auto" picks per platform is jaxperf.models.platform's table.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from pallas_kernels import cross_entropy as ce
 from pallas_kernels import norms
 from pallas_kernels.flash_attention import SegmentIds, as_segment_ids, flash_attention
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
-from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.rules import activation_spec, current
 
 IMPLS = ("auto", "xla", "pallas")
@@ -63,10 +62,10 @@ def sharded(fn, in_specs, out_specs):
 # Attention: registered with the model's attention dispatch as impl "pallas".
 
 
-def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
+def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None, platform: str | None = None):
     q_spec = activation_spec(("batch", "seq", "heads", "head_dim"), q.shape)
     kv_spec = activation_spec(("batch", "seq", "kv_heads", "head_dim"), k.shape)
-    backend = target_platform()
+    backend = platform
     if q_spec is None:
         return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids, backend=backend)
     q_spec, kv_spec = _pad_spec(q_spec, 4), _pad_spec(kv_spec, 4)
@@ -80,8 +79,8 @@ def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None):
     return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec)(q, k, v, *segs)
 
 
-def pallas_attention_unavailable(q, k, v):
-    return flash_unavailable_reason(q, k, v, backend=target_platform())
+def pallas_attention_unavailable(q, k, v, platform: str | None = None):
+    return flash_unavailable_reason(q, k, v, backend=platform)
 
 
 def _pad_spec(spec: P, ndim: int) -> P:
@@ -92,10 +91,10 @@ def _pad_spec(spec: P, ndim: int) -> P:
 # Norms
 
 
-def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
+def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None, platform: str | None = None):
     """The Pallas LayerNorm / RMSNorm over the last dim (the XLA path lives in jaxperf.models.layers.Norm); with
     `residual`, normalises x + residual and returns (normed, sum)."""
-    backend = target_platform()
+    backend = platform
     if kind == "layernorm":
         call = lambda x, s, b, r: norms.layer_norm(x, s, b, eps=eps, residual=r, backend=backend)  # noqa: E731
     else:
@@ -122,14 +121,14 @@ def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None):
 # Fused linear + cross-entropy
 
 
-def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str):
+def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform: str | None = None):
     """(sum of masked token losses, number of unmasked tokens) without [N, V] logits.
 
     impl "pallas": the fused Pallas kernel; "chunked": the pure-JAX path over row chunks (one [chunk, V] tile live at a
     time, in forward and backward). Under a mesh both run per batch shard, and the sums are psum-ed over the
     data-parallel axes.
     """
-    backend = target_platform()
+    backend = platform
     if impl == "chunked":
         which = "xla"
     else:

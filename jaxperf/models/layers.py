@@ -21,7 +21,6 @@ from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.quant import Int8Weight
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
-from jaxperf.parallel.mesh import target_platform
 from jaxperf.parallel.ring_attention import ring_attention_ambient
 from jaxperf.parallel.rules import constrain, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
@@ -130,20 +129,23 @@ def _zeros(key, shape, dtype):
 class Norm(nnx.Module):
     """LayerNorm (scale and optional bias) or RMSNorm (scale only), computed in fp32.
 
-    `impl`: "auto" | "xla" | "pallas" (jaxperf.models.kernels). With `residual`, normalises x + residual and returns
-    (normed, x + residual): the pre-norm residual pattern, fused into one pass by the Pallas kernel.
+    `impl`: "auto" | "xla" | "pallas" (jaxperf.models.kernels), the kernel built for `platform` (the model config's
+    settled platform). With `residual`, normalises x + residual and returns (normed, x + residual): the pre-norm
+    residual pattern, fused into one pass by the Pallas kernel.
     """
 
     def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs,
-                 impl: str = "auto"):
-        self.kind, self.eps, self.impl = kind, eps, impl
+                 impl: str = "auto", platform: str | None = None):
+        self.kind, self.eps, self.impl, self.platform = kind, eps, impl, platform
         self.scale = _param(rngs, _ones, (dim,), ("embed",), param_dtype)
         self.bias = _param(rngs, _zeros, (dim,), ("embed",), param_dtype) if use_bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array, residual: jax.Array | None = None):
-        if kernels.resolve(self.impl, "norm", lambda: _norm_unavailable(x_BxLxD)) == "pallas":
+        unavailable = lambda: norm_unavailable_reason(x_BxLxD, backend=self.platform)  # noqa: E731
+        if kernels.resolve(self.impl, "norm", unavailable) == "pallas":
             bias = None if self.bias is None else self.bias[...]
-            return kernels.pallas_norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual)
+            return kernels.pallas_norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual,
+                                       platform=self.platform)
         if residual is not None:
             h = x_BxLxD + residual
             return self._xla(h), h
@@ -158,10 +160,6 @@ class Norm(nnx.Module):
         if self.bias is not None:
             x = x + _bcast(self.bias[...].astype(jnp.float32), x.ndim)
         return x.astype(x_BxLxD.dtype)
-
-
-def _norm_unavailable(x) -> str | None:
-    return norm_unavailable_reason(x, backend=target_platform())
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
@@ -230,7 +228,8 @@ class Attention(nnx.Module):
             o_BxLxHxDh = ring_attention_ambient(q, k, v, causal=True, segment_ids=segment_ids_BxL,
                                                 layout=hooks.context.layout)
         else:
-            o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl)
+            o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl,
+                                   platform=self.cfg.platform)
         return self._out(o_BxLxHxDh, hooks)
 
     def cached(self, x_BxTxD, positions_BxT, k_cache_BxKxSxDh, v_cache_BxKxSxDh, index_B=None, *, attend=None):
@@ -251,7 +250,7 @@ class Attention(nnx.Module):
             k_BxKxTxDh, v_BxKxTxDh = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
             k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache_BxKxSxDh, k_BxKxTxDh, 0, axis=2)
             v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache_BxKxSxDh, v_BxKxTxDh, 0, axis=2)
-            o = attention(q, k, v, causal=True, impl=self.cfg.attention_impl)
+            o = attention(q, k, v, causal=True, impl=self.cfg.attention_impl, platform=self.cfg.platform)
         else:
             if q.shape[1] != 1:
                 raise ValueError(f"decode takes one new token per row, got {q.shape[1]}; prefill with index_B=None")
@@ -332,7 +331,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs,
-                  impl=cfg.norm_impl)
+                  impl=cfg.norm_impl, platform=cfg.platform)
         self.attn_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)

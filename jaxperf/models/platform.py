@@ -1,22 +1,23 @@
-"""Choices a model config leaves to the platform its step is compiled for.
+"""Choices a model config leaves to the platform and mesh its step is compiled for, settled once.
 
-    model_cfg = for_platform(cfg.model, "tpu")
+    model_cfg = settle(cfg, {"data": 1, "fsdp": 32, ...}, "tpu")   # a ModelConfig with no "auto" or None left
     for choice in implementation_choices(cfg, {"data": 1, "fsdp": 32, ...}, "tpu"):
         print(choice.describe())                                  # attention=pallas (flash attention ...)
 
-The platform is that of the mesh's devices (jaxperf.parallel.mesh.platform_of), not of the host: a TPU topology
-described on a CPU machine compiles TPU programs, and the kernels are built for it (`target_platform`). Model code
-never asks which backend it runs on.
+The platform is that of the mesh's devices (read by `build_task`), not of the host: a TPU topology
+described on a CPU machine compiles TPU programs, and the kernels are built for it. `build_task` settles the model
+config when the config meets the mesh; the model then reads settings (`cfg.platform`, `cfg.attention_impl`, ...) and
+never asks which backend it runs on or which mesh is installed. The start-up log prints the settled config
+(`describe_settled`), and `jaxperf info` and the memory estimate use the same functions before anything is compiled.
 
-Fields `for_platform` settles once, in `build_task`:
+Fields `settle` fills:
 
-| field | None becomes |
+| field | becomes |
 |---|---|
-| matmul_grad_barrier | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
-| scan_unroll | on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; 1 on TPU and GPU (one layer's recomputed activations live at a time) |
-
-Implementations "auto" picks while the step is traced, from the shapes it sees (the same functions answer for the
-start-up report and `jaxperf info` before anything is compiled):
+| platform | the mesh's devices' platform |
+| matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
+| scan_unroll (None) | on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; 1 on TPU and GPU (one layer's recomputed activations live at a time) |
+| attention_impl, loss_impl, norm_impl ("auto") | the table below, for the train step's shapes (sequence, dtype, heads, rows per device) |
 
 | op | TPU | GPU | CPU |
 |---|---|---|---|
@@ -25,7 +26,10 @@ start-up report and `jaxperf info` before anything is compiled):
 | norm | XLA | XLA | XLA |
 
 Otherwise XLA, with the reason. The chunked loss gives way to the full logits when the vocabulary or the sequence is
-split across devices (it works on whole rows of one device's batch). An explicit choice that cannot run raises.
+split across devices (it works on whole rows of one device's batch), and under a pipeline (its last stage computes
+the logits per microbatch). A sequence split over `seq` runs ring attention whatever attention_impl says. An explicit
+choice that cannot run raises. A model built from an unsettled config (`GPT(ModelConfig())`) runs the portable
+choices: XLA for every "auto", scan_unroll 1, no barrier.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxperf.config import ModelConfig, TrainConfig
+from jaxperf.config import ConfigError, ModelConfig, TrainConfig
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -66,14 +70,35 @@ class Choice:
 
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
-    """`cfg` with every platform-dependent field that is None set for `platform` ("cpu", "gpu" or "tpu")."""
+    """`cfg` with its platform and the fields that depend on the platform alone settled (platform,
+    matmul_grad_barrier, scan_unroll); the implementations stay as they are (`settle` picks them for a train step)."""
     _check(platform)
-    changes = {}
+    if cfg.platform is not None and cfg.platform != platform:
+        raise ConfigError(f"model.platform={cfg.platform!r} but the mesh's devices are {platform!r}: leave "
+                          f"model.platform unset (it follows the mesh)")
+    changes = {"platform": platform}
     if cfg.matmul_grad_barrier is None:
         changes["matmul_grad_barrier"] = platform == "cpu"
     if cfg.scan_unroll is None:
         changes["scan_unroll"] = default_scan_unroll(platform, cfg.n_layers)
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+    return dataclasses.replace(cfg, **changes)
+
+
+def settle(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> ModelConfig:
+    """`cfg.model` with nothing left to the platform: every "auto" implementation and every None of the table above
+    settled for the train step of `cfg` on a mesh of `mesh_shape` whose devices are `platform`."""
+    chosen = {c.op: c.impl for c in _choices(cfg, mesh_shape, platform)}
+    model = for_platform(cfg.model, platform)
+    return dataclasses.replace(model, attention_impl=chosen["attention"], loss_impl=chosen["loss"],
+                               norm_impl=chosen["norm"])
+
+
+def describe_settled(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> str:
+    """One line for the start-up log: each implementation the step runs and why, then the other settled fields."""
+    model = settle(cfg, mesh_shape, platform)
+    choices = "; ".join(c.describe() for c in implementation_choices(cfg, mesh_shape, platform))
+    return (f"settled for {platform}: {choices}; scan_unroll={layers_per_iteration(model)} "
+            f"matmul_grad_barrier={model.matmul_grad_barrier}")
 
 
 # Stacks this shallow run unrolled on CPU (model.scan_unroll=None).
@@ -86,9 +111,12 @@ def default_scan_unroll(platform: str, n_layers: int) -> int:
     return n_layers if platform == "cpu" and n_layers <= CPU_UNROLL_LAYERS else 1
 
 
-def layers_per_iteration(cfg: ModelConfig, platform: str) -> int:
-    """Layers one iteration of the scanned stack runs on `platform` (the scan's `unroll`)."""
-    return min(cfg.scan_unroll or default_scan_unroll(platform, cfg.n_layers), cfg.n_layers)
+def layers_per_iteration(cfg: ModelConfig, platform: str | None = None) -> int:
+    """Layers one iteration of the scanned stack runs (the scan's `unroll`): the settled `cfg.scan_unroll`, else the
+    default of `platform` (or 1, the portable choice, when neither is known)."""
+    platform = platform or cfg.platform
+    default = default_scan_unroll(platform, cfg.n_layers) if platform is not None else 1
+    return min(cfg.scan_unroll or default, cfg.n_layers)
 
 
 def _check(platform: str) -> None:
@@ -150,27 +178,34 @@ def norm_choice(platform: str) -> Choice:
 
 def implementation_choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> list[Choice]:
     """The attention, loss and norm implementations the train step of `cfg` uses on a mesh of `mesh_shape` and
-    `platform`, with the reason for each, before anything is traced (the same rules "auto" applies while tracing)."""
+    `platform`, with the reason for each, before anything is traced (ring attention where the sequence is split)."""
+    choices = _choices(cfg, mesh_shape, platform)
+    seq = int(mesh_shape.get("seq", 1))
+    if seq > 1:
+        choices[0] = Choice("attention", "ring", f"the sequence is split over seq={seq} (ring attention)")
+    return choices
+
+
+def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> list[Choice]:
+    """[attention, loss, norm] as `settle` writes them into the model config."""
+    _check(platform)
     m = cfg.model.resolved()
     shape = {a: int(mesh_shape.get(a, 1)) for a in ("data", "stage", "fsdp", "seq", "tensor")}
     seq_len = cfg.train_seq_len
-    out = []
-    if shape["seq"] > 1:
-        out.append(Choice("attention", "ring", f"the sequence is split over seq={shape['seq']} (ring attention)"))
-    elif m.attention_impl != "auto":
-        out.append(Choice("attention", m.attention_impl, "model.attention_impl"))
+    if m.attention_impl != "auto":
+        attention = Choice("attention", m.attention_impl, "model.attention_impl")
     else:
-        out.append(attention_choice(platform, dtype=m.dtype, head_dim=m.head_dim, heads=m.n_heads,
-                                    kv_heads=m.n_kv_heads, q_len=seq_len, kv_len=seq_len,
-                                    segment_ids=False))  # the built-in data gives whole sequences
+        attention = attention_choice(platform, dtype=m.dtype, head_dim=m.head_dim, heads=m.n_heads,
+                                     kv_heads=m.n_kv_heads, q_len=seq_len, kv_len=seq_len,
+                                     segment_ids=False)  # the built-in data gives whole sequences
     if shape["stage"] > 1:
-        out.append(Choice("loss", "xla", "the pipeline's last stage computes fp32 logits per microbatch"))
+        loss = Choice("loss", "xla", "the pipeline's last stage computes fp32 logits per microbatch")
     elif m.loss_impl != "auto":
-        out.append(Choice("loss", m.loss_impl, "model.loss_impl"))
+        loss = Choice("loss", m.loss_impl, "model.loss_impl")
     else:
         batch_split = shape["data"] * shape["fsdp"]
         rows = cfg.batch_size // max(cfg.microbatches, 1) // batch_split * seq_len
-        out.append(loss_choice(platform, rows_per_device=rows, vocab=m.padded_vocab,
-                               vocab_split=shape["tensor"] > 1, seq_split=shape["seq"] > 1))
-    out.append(norm_choice(platform) if m.norm_impl == "auto" else Choice("norm", m.norm_impl, "model.norm_impl"))
-    return out
+        loss = loss_choice(platform, rows_per_device=rows, vocab=m.padded_vocab, vocab_split=shape["tensor"] > 1,
+                           seq_split=shape["seq"] > 1)
+    norm = norm_choice(platform) if m.norm_impl == "auto" else Choice("norm", m.norm_impl, "model.norm_impl")
+    return [attention, loss, norm]

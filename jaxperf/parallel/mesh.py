@@ -8,8 +8,6 @@ comes from JAX's hybrid mesh builder, which groups devices by their `slice_index
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -18,7 +16,6 @@ from jax.sharding import Mesh
 
 from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ParallelConfig, mesh_shape
-from jaxperf.parallel.rules import current
 
 def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None) -> Mesh:
     """Build the mesh for `parallel` over `devices` (default: all devices, in physical-topology order).
@@ -59,9 +56,7 @@ def describe(mesh: Mesh) -> str:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The platform a program is compiled for: that of the mesh's devices, not of the host (a TPU topology described on a
-# CPU machine compiles TPU programs).
-
-_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxperf_target_platform", default=None)
+# CPU machine compiles TPU programs). jaxperf.models.platform.settle writes it into the model config.
 
 
 def normalize_platform(name: str) -> str:
@@ -73,23 +68,3 @@ def normalize_platform(name: str) -> str:
 def platform_of(mesh: Mesh) -> str:
     """The platform of the mesh's devices ("cpu", "gpu", "tpu")."""
     return normalize_platform(mesh.devices.flat[0].platform)
-
-
-@contextlib.contextmanager
-def compiling_for(platform: str):
-    """Within this context `target_platform()` is `platform`: step builders wrap the tracing of a step in it."""
-    token = _TARGET.set(normalize_platform(platform))
-    try:
-        yield
-    finally:
-        _TARGET.reset(token)
-
-
-def target_platform() -> str:
-    """The platform the program being traced is for: the one `compiling_for` set, else that of the mesh installed by
-    `activation_sharding`, else JAX's default backend."""
-    platform = _TARGET.get()
-    if platform is not None:
-        return platform
-    active = current()
-    return platform_of(active[0]) if active is not None else normalize_platform(jax.default_backend())

@@ -37,7 +37,7 @@ from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
 from jaxperf.models.gpt import GPT, REMAT_POLICIES
 from jaxperf.models.layers import Block
-from jaxperf.models.platform import for_platform, implementation_choices, layers_per_iteration
+from jaxperf.models.platform import layers_per_iteration, settle
 from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
 from jaxperf.parallel.rules import get_rules, logical_to_spec, mesh_rules
@@ -47,18 +47,12 @@ GiB = 2**30
 
 
 def _settled(cfg: TrainConfig, shape: dict[str, int], platform: str) -> ModelConfig:
-    """cfg.model as the step on `platform` runs it: platform fields settled, and each "auto" implementation replaced by
-    the one the platform table picks for this mesh (jaxperf.models.platform; ring attention stays "auto")."""
-    model = for_platform(cfg.model, platform)
-    chosen = {c.op: c.impl for c in implementation_choices(cfg, shape, platform)}
-    changes = {}
-    if model.attention_impl == "auto" and chosen["attention"] != "ring":
-        changes["attention_impl"] = chosen["attention"]
-    if model.loss_impl == "auto":
-        changes["loss_impl"] = chosen["loss"]
-    if model.norm_impl == "auto":
-        changes["norm_impl"] = chosen["norm"]
-    return dataclasses.replace(model, **changes)
+    """cfg.model as the step on `platform` runs it (jaxperf.models.platform.settle). Under a ring (seq > 1) an "auto"
+    attention is counted as XLA's: each ring step attends one block of keys with the XLA attention's residuals."""
+    model = settle(cfg, shape, platform)
+    if shape.get("seq", 1) > 1 and cfg.model.attention_impl == "auto":
+        model = dataclasses.replace(model, attention_impl="xla")
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -399,7 +393,7 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
 
     Nothing is compiled or allocated: the model is traced abstractly once per model config. The model's choices left
     to the platform (attention and loss implementations...) are settled as the step settles them
-    (jaxperf.models.platform.for_platform). Under a pipeline (stage > 1) a device holds its stage's layers and works
+    (jaxperf.models.platform.settle). Under a pipeline (stage > 1) a device holds its stage's layers and works
     on one microbatch at a time, plus the stage inputs the schedule stashes; under a ring (seq > 1) it holds L / seq
     positions and meets L / seq keys at a time. The module docstring names every part, per platform.
     """

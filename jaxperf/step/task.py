@@ -31,7 +31,7 @@ from jaxperf import _compat
 from jaxperf.config import ConfigError, TrainConfig
 from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
 from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
-from jaxperf.models.platform import for_platform
+from jaxperf.models.platform import settle
 from jaxperf.parallel.mesh import platform_of
 from jaxperf.parallel.pipeline import split_microbatches
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
@@ -389,8 +389,9 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
 
     Args:
       cfg: the run's configuration.
-      mesh: the device mesh (jaxperf.parallel.mesh.make_mesh); its devices' platform settles every choice the model
-        config leaves to the platform (jaxperf.models.platform), e.g. a TPU topology described on a CPU host.
+      mesh: the device mesh (jaxperf.parallel.mesh.make_mesh); with its shape and its devices' platform the model
+        config is settled here, once (jaxperf.models.platform.settle): every "auto" becomes the implementation the
+        step runs, e.g. the Mosaic kernels for a TPU topology described on a CPU host.
       make_model: `rngs -> nnx.Module` whose parameters carry logical axes; default: the built-in GPT of cfg.model.
       loss_fn: `(model, batch) -> (mean_loss, aux)`; default: the GPT's own loss for the built-in model (which may
         fuse the output projection with the softmax), masked next-token cross-entropy from logits otherwise.
@@ -409,7 +410,7 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
              if pipeline or context or sequence_parallel is not None else None)
     _check_cpu_collective_order(cfg, mesh)
     if make_model is None:
-        model_cfg = for_platform(cfg.model, platform_of(mesh))
+        model_cfg = settle(cfg, dict(mesh.shape), platform_of(mesh))
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
         loss_fn = loss_fn or gpt_loss
     task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),

@@ -33,7 +33,7 @@ from jaxperf.data import (Prefetcher, datasets_for, process_rows, to_global_arra
 from jaxperf.generate import Generator
 from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour
 from jaxperf.models.hooks import LayerHooks
-from jaxperf.models.platform import implementation_choices
+from jaxperf.models.platform import describe_settled
 from jaxperf.parallel.mesh import make_mesh, normalize_platform, platform_of
 from jaxperf.parallel.pipeline import describe as pipeline_describe
 from jaxperf.parallel.sharding import check_sharding, format_report
@@ -293,8 +293,7 @@ class Trainer:
         log(f"{n_params / 1e6:.2f}M parameters, strategy {self.rules.name}, flavour {self.cfg.parallel.flavour}, "
             f"{format_report(report, self.mesh)}")
         if not self.custom_model:
-            choices = implementation_choices(self.cfg, dict(self.mesh.shape), platform_of(self.mesh))
-            log("implementations: " + "; ".join(c.describe() for c in choices))
+            log(describe_settled(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))
