@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxperf.parallel.mesh import normalize_platform
 from jaxperf.perf.hostmem import reexec_with_huge_pages
 from jaxperf.benchmarks._common import emit, peak_bandwidth, peak_flops, record
 from jaxperf.perf.timing import benchmark
@@ -111,6 +112,7 @@ def bench_attention(seqs, head_dims, dtype, iters, batch, heads, tokens=None, pa
     from pallas_kernels.flash_attention import flash_attention
 
     peak, source = peak_flops(dtype)
+    platform = normalize_platform(jax.default_backend())
     out = []
     for L in seqs:
         rows = max(1, tokens // L) if tokens else batch
@@ -123,7 +125,7 @@ def bench_attention(seqs, head_dims, dtype, iters, batch, heads, tokens=None, pa
                 impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                               implementation="cudnn")
             # What the model runs with model.attention_impl=auto on this platform (jaxperf.models.platform).
-            impls["auto"] = lambda q, k, v: attention(q, k, v, causal=True, impl="auto")
+            impls["auto"] = lambda q, k, v: attention(q, k, v, causal=True, impl="auto", platform=platform)
             fwd = 4 * rows * heads * L * L * Dh / 2
             out += _time_passes("attention", impls, args, lambda o: jnp.sum(o.astype(jnp.float32)),
                                 {"forward": fwd, "backward": 2.5 * fwd}, "TFLOP/s", iters, dtype,
