@@ -86,6 +86,14 @@ def test_user_errors_are_one_line_and_a_documented_exit_status(capsys, raised, c
     assert capsys.readouterr().err == f"jaxperf x: {text}\n"
 
 
+def test_a_reader_that_went_away_ends_the_command_quietly(tmp_path):
+    # `jaxperf info | head -1`: the rest of the output has nowhere to go; no traceback, no line about it.
+    out = subprocess.run(f"{sys.executable} -m jaxperf.cli info | head -1", shell=True, capture_output=True, text=True,
+                         env={**cli_env(tmp_path, 1), "JAXPERF_HUGE_PAGES": "0"}, cwd=tmp_path, timeout=120)
+    assert out.stdout.startswith("jax ") and len(out.stdout.splitlines()) == 1, out
+    assert out.stderr == "", out.stderr[-3000:]
+
+
 def test_a_bug_keeps_its_traceback():
     def main(argv):
         raise ZeroDivisionError("a bug")
@@ -155,11 +163,12 @@ def test_export_of_a_corrupt_step_is_one_line_and_changes_nothing(tmp_path, caps
     assert _snapshot(run) == before
 
 
-def test_export_to_an_existing_file_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("command", ["export", "quantize"])
+def test_an_out_that_is_an_existing_file_is_one_line(tmp_path, capsys, command):
     run = _run(tmp_path, steps=(1,))
     (tmp_path / "taken").write_text("mine")
-    line = _refused(capsys, "export", "--checkpoint", str(run), "--out", str(tmp_path / "taken"))
-    assert f"--out {tmp_path / 'taken'} is a file: give a directory" in line, line
+    line = _refused(capsys, command, "--checkpoint", str(run), "--out", str(tmp_path / "taken"))
+    assert f"--out {tmp_path / 'taken'} is a file: give a" in line, line
     assert (tmp_path / "taken").read_text() == "mine"
 
 

@@ -10,6 +10,7 @@ stderr, `jaxperf COMMAND: <the flag or setting, its value, the fix>`, and one of
     3    an output could not be written: a checkpoint save (train), a disk full, a file too large, an I/O error
     4    train stopped on numerical trouble or on data that changed under it
     130  stopped by Ctrl-C (train: by a second Ctrl-C, without saving)
+    141  the reader of its output went away (`jaxperf info | head -1`): nothing is printed about it
 
 Commands raise `CommandError` for their own flags; the library's error types (`REFUSALS`, `OSError`) are turned
 into the same line here, so no command copies a try/except of its own.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import sys
 from collections.abc import Callable, Iterator
 
@@ -30,7 +32,7 @@ from jaxperf.interop import HFCheckpointError
 from jaxperf.train.rundir import RunDirError
 from jaxperf.train.topology import TopologyError
 
-OK, NEGATIVE, REFUSED, WRITE_FAILED, STOPPED, INTERRUPTED = 0, 1, 2, 3, 4, 130
+OK, NEGATIVE, REFUSED, WRITE_FAILED, STOPPED, INTERRUPTED, PIPE_CLOSED = 0, 1, 2, 3, 4, 130, 141
 
 # The library's errors that are the user's (or the environment's) to fix; each message names the path or setting.
 REFUSALS: tuple[type[BaseException], ...] = (
@@ -74,7 +76,8 @@ def os_error_code(e: OSError) -> int:
 
 def fail(command: str, message: str, code: int) -> int:
     """Print `jaxperf COMMAND: message` as one line on stderr; returns `code`."""
-    sys.stdout.flush()
+    with contextlib.suppress(OSError):  # stdout may be a closed pipe
+        sys.stdout.flush()
     print(f"jaxperf {command}: {one_line(message)}", file=sys.stderr, flush=True)
     return code
 
@@ -95,6 +98,10 @@ def run_command(command: str, main: Callable[[list[str]], int | None], argv: lis
     """
     try:
         return int(main(argv) or 0)
+    except BrokenPipeError:
+        # Whoever read stdout has gone: say nothing, and keep Python's exit from failing to flush it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return PIPE_CLOSED
     except CommandError as e:
         return fail(command, str(e), e.code)
     except CheckpointSaveError as e:
@@ -107,5 +114,5 @@ def run_command(command: str, main: Callable[[list[str]], int | None], argv: lis
         return fail(command, "interrupted (Ctrl-C)", INTERRUPTED)
 
 
-__all__ = ["INTERRUPTED", "NEGATIVE", "OK", "REFUSALS", "REFUSED", "STOPPED", "WRITE_FAILED", "CommandError",
+__all__ = ["INTERRUPTED", "NEGATIVE", "OK", "PIPE_CLOSED", "REFUSALS", "REFUSED", "STOPPED", "WRITE_FAILED", "CommandError",
            "describe_os_error", "fail", "one_line", "os_error_code", "refused", "run_command"]

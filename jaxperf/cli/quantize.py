@@ -10,6 +10,7 @@ is written to DIR2/quantization.json (jaxperf.generate.quantize).
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from jaxperf.cli._errors import CommandError, refused
 from jaxperf.generate.quantize import quantize_run
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         raise CommandError(f"--batch-size {args.batch_size} must be at least 1")
     if args.step is not None and args.step < 0:
         raise CommandError(f"--step {args.step} must be a checkpoint step (>= 0); leave it out for the newest")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise CommandError(f"--out {args.out} is a file: give a new directory")
     with refused(ValueError):  # quantize_run's refusals: an input already int8, --out the same as --checkpoint
         report = quantize_run(args.checkpoint, args.out, step=args.step, eval_batches=args.eval_batches,
                               batch_size=args.batch_size)
