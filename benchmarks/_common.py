@@ -4,7 +4,7 @@
     emit(rec)        # one JSON line on stdout
 
 A record always carries the device kind, platform, number of devices, jax/flax versions, whether host memory had
-transparent huge pages (jaxperf.perf.hostmem) and the date, so a results.jsonl collected on several machines stays
+transparent huge pages (jaxperf.perf.cpu_host) and the date, so a results.jsonl collected on several machines stays
 readable. `pct_of_peak` is present only where a hardware limit is known (jaxperf.perf.hardware): a figure without a
 ceiling is not given a made-up one.
 """
@@ -27,7 +27,7 @@ from jaxperf.step.flavours import build_train_step
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.hardware import peak_flops as _peak
-from jaxperf.perf.hostmem import host_memory
+from jaxperf.perf.cpu_host import host_memory
 from jaxperf.step.task import build_task, step_microbatches
 
 
@@ -39,7 +39,7 @@ def context() -> dict[str, Any]:
         "platform": jax.default_backend(),
         "n_devices": len(devices),
         "versions": {"jax": jax.__version__, "flax": flax.__version__, "python": platform.python_version()},
-        "host_huge_pages": host_memory().huge_pages,  # XLA:CPU figures depend on it (jaxperf.perf.hostmem)
+        "host_huge_pages": host_memory().huge_pages,  # XLA:CPU figures depend on it (jaxperf.perf.cpu_host)
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 

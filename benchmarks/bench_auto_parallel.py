@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.benchmarks._common import check_close, emit, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
@@ -124,5 +124,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.benchmarks._common import check_close, emit, record
 from jaxperf import _compat
 from jaxperf.explicit import collectives as C, cost_model
@@ -148,5 +148,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

@@ -24,7 +24,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.benchmarks._common import check_close, emit, make_train_step, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
@@ -116,5 +116,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxperf.parallel.mesh import normalize_platform
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.benchmarks._common import emit, peak_bandwidth, peak_flops, record
 from jaxperf.perf.timing import benchmark
 
@@ -204,5 +204,5 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

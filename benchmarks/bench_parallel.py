@@ -29,7 +29,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.benchmarks._common import check_close, emit, make_train_step, peak_flops, record
 
 NAME = "parallel"
@@ -165,5 +165,5 @@ def step_mesh(cfg) -> dict[str, int]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main()

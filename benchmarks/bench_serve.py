@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from jaxperf.benchmarks._common import emit, record
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 
 NAME = "serve"
 LOADGEN = Path(__file__).resolve().with_name("loadgen.py")  # the client, a process of its own
@@ -326,5 +326,5 @@ def _stacked_params(gen, scan_layers: bool):
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main()

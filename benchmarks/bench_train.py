@@ -34,7 +34,7 @@ import jax
 
 from jaxperf.benchmarks import bench_train_step
 from jaxperf.benchmarks._common import emit, record
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,10 +68,10 @@ def peer_config(cfg, steps: int, warmup: int, mode: str, device: str) -> dict:
 def peer_env() -> tuple[dict[str, str], dict[str, str]]:
     """(environment for the peer, the host-memory settings in it that differ from this process's).
 
-    Where this process has transparent huge pages (jaxperf.perf.hostmem), the peer gets them too: it inherits
+    Where this process has transparent huge pages (jaxperf.perf.cpu_host), the peer gets them too: it inherits
     GLIBC_TUNABLES, and PyTorch's own switch THP_MEM_ALLOC_ENABLE=1 puts its large CPU tensors on huge pages.
     """
-    from jaxperf.perf.hostmem import host_memory
+    from jaxperf.perf.cpu_host import host_memory
 
     env, changed = dict(os.environ), {}
     if host_memory().huge_pages and "THP_MEM_ALLOC_ENABLE" not in env:
@@ -185,5 +185,5 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

@@ -35,7 +35,7 @@ from jaxperf.config import get_config, to_dict, validate
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for, peak_flops
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf.cpu_host import reexec_with_huge_pages
 from jaxperf.perf.memory import compiled_memory, estimate, live_device_memory
 from jaxperf.perf.predict import predict_step
 from jaxperf.perf.profile import device_time_by_op, trace
@@ -175,5 +175,5 @@ def analyze(cfg, mesh, compiled, measured_step_s: float, peak_bytes: int | None)
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.hostmem)
+    reexec_with_huge_pages()  # XLA:CPU step buffers on huge pages (jaxperf.perf.cpu_host)
     main(sys.argv[1:])

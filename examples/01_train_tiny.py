@@ -9,7 +9,7 @@ from jaxperf.config import get_config
 from jaxperf.perf import reexec_with_huge_pages
 from jaxperf.train.trainer import Trainer
 
-reexec_with_huge_pages()  # on CPU hosts: restart once so XLA's step buffers get huge pages (jaxperf.perf.hostmem)
+reexec_with_huge_pages()  # on CPU hosts: restart once so XLA's step buffers get huge pages (jaxperf.perf.cpu_host)
 cfg = get_config("tiny", ["run_dir=runs/example-tiny", *sys.argv[1:]])
 trainer = Trainer(cfg)
 summary = trainer.fit()

@@ -253,12 +253,12 @@ def test_peer_python_reports_missing_torch(monkeypatch):
 
 
 def test_peer_gets_huge_pages_where_jaxperf_has_them(monkeypatch):
-    from jaxperf.perf import hostmem
+    from jaxperf.perf import cpu_host
 
     mod = load("train")
     monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    for glibc_tunable, expected in ((f"{hostmem.TUNABLE}=1", {"THP_MEM_ALLOC_ENABLE": "1"}), (None, {})):
-        monkeypatch.setattr(hostmem, "host_memory", lambda: hostmem.HostMemory((2, 36), "madvise", glibc_tunable))
+    for glibc_tunable, expected in ((f"{cpu_host.TUNABLE}=1", {"THP_MEM_ALLOC_ENABLE": "1"}), (None, {})):
+        monkeypatch.setattr(cpu_host, "host_memory", lambda: cpu_host.HostMemory((2, 36), "madvise", glibc_tunable))
         env, changed = mod.peer_env()
         assert changed == expected and env.get("THP_MEM_ALLOC_ENABLE") == expected.get("THP_MEM_ALLOC_ENABLE")
 

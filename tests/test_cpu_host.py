@@ -1,4 +1,4 @@
-"""Host memory: huge pages for XLA:CPU's per-run buffers (jaxperf.perf.hostmem) and the restart that turns them on."""
+"""Host memory: huge pages for XLA:CPU's per-run buffers (jaxperf.perf.cpu_host) and the restart that turns them on."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import textwrap
 
 import pytest
 
-from jaxperf.perf import hostmem
-from jaxperf.perf.hostmem import TUNABLE, HostMemory, host_memory, with_huge_pages
+from jaxperf.perf import cpu_host
+from jaxperf.perf.cpu_host import TUNABLE, HostMemory, host_memory, with_huge_pages
 
 
 def _plain_env() -> dict[str, str]:
     """This environment without the tunable (so a child starts as a user's program would)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", hostmem.OPT_OUT, hostmem._RESTARTED)}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", cpu_host.OPT_OUT, cpu_host._RESTARTED)}
     env["JAX_PLATFORMS"] = "cpu"
     env.pop("XLA_FLAGS", None)  # one device is enough here
     return env
@@ -31,8 +31,8 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
     for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
                        ("always madvise [never]\n", "never")):
         f.write_text(text)
-        assert hostmem._thp_mode(f) == mode
-    assert hostmem._thp_mode(tmp_path / "missing") is None
+        assert cpu_host._thp_mode(f) == mode
+    assert cpu_host._thp_mode(tmp_path / "missing") is None
 
 
 def test_with_huge_pages_appends_to_other_tunables_and_keeps_a_users_choice():
@@ -40,7 +40,7 @@ def test_with_huge_pages_appends_to_other_tunables_and_keeps_a_users_choice():
     env = with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/h"})
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{TUNABLE}=1" and env["HOME"] == "/h"
     assert with_huge_pages({"GLIBC_TUNABLES": f"{TUNABLE}=0"})["GLIBC_TUNABLES"] == f"{TUNABLE}=0"
-    assert hostmem._tunable_value({"GLIBC_TUNABLES": f"a.b=1:{TUNABLE}=2"}) == "2"
+    assert cpu_host._tunable_value({"GLIBC_TUNABLES": f"a.b=1:{TUNABLE}=2"}) == "2"
 
 
 @pytest.mark.parametrize("glibc,mode,tunable,on,can", [
@@ -62,17 +62,17 @@ def test_when_huge_pages_are_on_and_when_a_restart_would_help(glibc, mode, tunab
 
 
 def test_only_cpu_only_hosts_are_restarted(monkeypatch, tmp_path):
-    assert hostmem.accelerator({"JAX_PLATFORMS": "cpu"}) is None
-    assert hostmem.accelerator({"JAX_PLATFORMS": "tpu,cpu"}) == "JAX_PLATFORMS=tpu,cpu"
-    monkeypatch.setattr(hostmem, "ACCELERATOR_PACKAGES", ())
-    monkeypatch.setattr(hostmem, "ACCELERATOR_DEVICES", (str(tmp_path / "nvidia0"),))
-    assert hostmem.accelerator({}) is None
+    assert cpu_host.accelerator({"JAX_PLATFORMS": "cpu"}) is None
+    assert cpu_host.accelerator({"JAX_PLATFORMS": "tpu,cpu"}) == "JAX_PLATFORMS=tpu,cpu"
+    monkeypatch.setattr(cpu_host, "ACCELERATOR_PACKAGES", ())
+    monkeypatch.setattr(cpu_host, "ACCELERATOR_DEVICES", (str(tmp_path / "nvidia0"),))
+    assert cpu_host.accelerator({}) is None
     (tmp_path / "nvidia0").write_text("")
-    assert hostmem.accelerator({}) == f"{tmp_path / 'nvidia0'} exists"
-    assert hostmem.accelerator({"JAX_PLATFORMS": "cpu"}) is None  # the user's choice wins over what is installed
-    monkeypatch.setattr(hostmem, "ACCELERATOR_PACKAGES", ("json",))  # any importable name stands in for a plugin
-    monkeypatch.setattr(hostmem, "ACCELERATOR_DEVICES", ())
-    assert hostmem.accelerator({}) == "json is installed"
+    assert cpu_host.accelerator({}) == f"{tmp_path / 'nvidia0'} exists"
+    assert cpu_host.accelerator({"JAX_PLATFORMS": "cpu"}) is None  # the user's choice wins over what is installed
+    monkeypatch.setattr(cpu_host, "ACCELERATOR_PACKAGES", ("json",))  # any importable name stands in for a plugin
+    monkeypatch.setattr(cpu_host, "ACCELERATOR_DEVICES", ())
+    assert cpu_host.accelerator({}) == "json is installed"
     gpu_host = HostMemory((2, 36), "madvise", None, accelerator="/dev/nvidia0 exists")
     assert not gpu_host.can_enable and "not a CPU-only host: /dev/nvidia0 exists" in gpu_host.describe()
 
@@ -80,7 +80,7 @@ def test_only_cpu_only_hosts_are_restarted(monkeypatch, tmp_path):
 CHILD = textwrap.dedent("""
     import json, resource
     import jax, jax.numpy as jnp
-    from jaxperf.perf.hostmem import host_memory
+    from jaxperf.perf.cpu_host import host_memory
 
     def f(x, w):  # two 32 MiB intermediates and more: an 84 MB temporary buffer, allocated on every run
         a = jnp.tanh(x @ w)
@@ -123,10 +123,43 @@ def test_huge_pages_stop_the_per_run_page_faults_of_the_temporary_buffer():
 
 @needs_madvise_thp
 def test_the_jaxperf_command_restarts_itself_with_huge_pages_unless_told_not_to():
-    cmd = [sys.executable, "-m", "jaxperf.cli", "info"]
+    # `jaxperf train` as the console script starts it, with main() replaced by a report of the host's huge pages
+    script = ("import sys; sys.argv = ['jaxperf', 'train']; import jaxperf.cli as cli; "
+              "cli.main = lambda argv=None: print(cli.cpu_host.host_memory().describe()) or 0; cli.run()")
+    cmd = [sys.executable, "-c", script]
     on = subprocess.run(cmd, env=_plain_env(), capture_output=True, text=True, timeout=300)
     assert on.returncode == 0, on.stderr[-2000:]
     assert f"host huge pages: on ({TUNABLE}=1)" in on.stdout
-    off = subprocess.run(cmd, env={**_plain_env(), hostmem.OPT_OUT: "0"}, capture_output=True, text=True, timeout=300)
+    off = subprocess.run(cmd, env={**_plain_env(), cpu_host.OPT_OUT: "0"}, capture_output=True, text=True, timeout=300)
     assert off.returncode == 0, off.stderr[-2000:]
     assert f"host huge pages: off; start Python with GLIBC_TUNABLES={TUNABLE}=1" in off.stdout
+
+
+def test_only_the_commands_that_run_programs_here_restart_for_huge_pages(monkeypatch):
+    import jaxperf.cli as cli
+
+    restarts = []
+    monkeypatch.setattr(cpu_host, "reexec_with_huge_pages", lambda: restarts.append(True))
+    monkeypatch.setattr(cli, "main", lambda argv=None: 0)
+    for argv, restarted in ((["jaxperf", "train"], True), (["jaxperf", "bench", "--tiny"], True), (["jaxperf", "info"], False),
+                            (["jaxperf", "export"], False), (["jaxperf", "compile"], False), (["jaxperf"], False)):
+        restarts.clear()
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit):
+            cli.run()
+        assert bool(restarts) == restarted, argv
+
+
+def test_meshes_whose_collectives_xla_cpu_runs_out_of_order_are_refused_on_cpu_only():
+    from jaxperf.config import ConfigError, get_config
+
+    shape = {"data": 1, "stage": 2, "fsdp": 2, "seq": 2, "tensor": 1}
+    contiguous = get_config("tiny", ["parallel.context_layout=contiguous"])
+    with pytest.raises(ConfigError, match="stage x fsdp x seq with context_layout=contiguous hangs on CPU devices"):
+        cpu_host.check_collective_order(contiguous, shape, "cpu")
+    cpu_host.check_collective_order(contiguous, shape, "tpu")  # accelerators run collectives in program order
+    cpu_host.check_collective_order(get_config("tiny", ["parallel.context_layout=zigzag"]), shape, "cpu")
+    cpu_host.check_collective_order(contiguous, {**shape, "fsdp": 1}, "cpu")
+    tp = {"data": 1, "stage": 2, "fsdp": 2, "seq": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="stage x fsdp x sequence_parallel"):
+        cpu_host.check_collective_order(get_config("tiny", ["parallel.sequence_parallel=true"]), tp, "cpu")

@@ -20,7 +20,7 @@ import os
 import sys
 
 from jaxperf.cli._errors import run_command
-from jaxperf.perf.hostmem import reexec_with_huge_pages
+from jaxperf.perf import cpu_host
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -58,7 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(name, module.main, rest)
 
 
+# The commands that run compiled programs on this host, which XLA:CPU runs faster with huge pages; the others (help,
+# info, export, compile for a TPU slice) start as they are.
+HUGE_PAGE_COMMANDS = frozenset({"train", "generate", "serve", "quantize", "bench"})
+
+
 def run() -> None:
-    """The console script: on CPU-only hosts restart once with huge pages (jaxperf.perf.hostmem), then main()."""
-    reexec_with_huge_pages()
+    """The console script: a command that runs programs here restarts once with huge pages on a CPU-only host
+    (jaxperf.perf.cpu_host), then main()."""
+    if sys.argv[1:2] and sys.argv[1] in HUGE_PAGE_COMMANDS:
+        cpu_host.reexec_with_huge_pages()
     sys.exit(main())

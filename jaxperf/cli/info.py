@@ -14,7 +14,7 @@ from jaxperf.config import MESH_AXES, ConfigError, get_config, mesh_shape
 from jaxperf.models.platform import PLATFORMS, implementation_choices
 from jaxperf.parallel.mesh import normalize_platform
 from jaxperf.perf.hardware import describe, format_info
-from jaxperf.perf.hostmem import host_memory
+from jaxperf.perf.cpu_host import host_memory
 
 
 def build_parser() -> argparse.ArgumentParser:

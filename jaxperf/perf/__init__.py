@@ -6,7 +6,7 @@ matplotlib, an optional dependency (the plot extra), is imported only when a plo
 from jaxperf.perf.compile import aot_compile, enable_compilation_cache, export_fn, export_forward, load_exported
 from jaxperf.perf.flops import flops_per_token, matmul_params, recompute_flops_per_token
 from jaxperf.perf.hardware import CHIPS, Chip, chip_for, describe, format_info, peak_bandwidth, peak_flops
-from jaxperf.perf.hostmem import HostMemory, host_memory, reexec_with_huge_pages
+from jaxperf.perf.cpu_host import HostMemory, host_memory, reexec_with_huge_pages
 from jaxperf.perf.memory import (
     MemoryEstimate, OutOfMemoryAdvice, advise, check_fits, compiled_memory, estimate, live_device_memory,
 )

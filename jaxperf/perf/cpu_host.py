@@ -1,14 +1,21 @@
-"""Host memory for XLA:CPU: transparent huge pages for the buffer a compiled step maps on every run.
+"""The CPU host: everything jaxperf does for XLA:CPU alone, in one place, applied at the entry points.
 
-XLA:CPU allocates a compiled program's temporary buffer (every intermediate of the step) with malloc each time the
-program runs and frees it when the run ends. glibc serves a block that large with a fresh mmap and gives it back with
-munmap, so each step faults in every 4 KiB page of it again and the kernel zeroes each one. glibc's tunable
-`glibc.malloc.hugetlb=1` makes malloc advise transparent huge pages (madvise MADV_HUGEPAGE) on the memory it maps, so
-the same buffer comes in 2 MiB at a time, with far fewer faults and TLB misses. docs/cpu_hosts.md has the figures.
+- **Huge pages.** XLA:CPU allocates a compiled program's temporary buffer (every intermediate of the step) with malloc
+  each time the program runs and frees it when the run ends. glibc serves a block that large with a fresh mmap and
+  gives it back with munmap, so each step faults in every 4 KiB page of it again and the kernel zeroes each one.
+  glibc's tunable `glibc.malloc.hugetlb=1` makes malloc advise transparent huge pages (madvise MADV_HUGEPAGE) on the
+  memory it maps, so the same buffer comes in 2 MiB at a time, with far fewer faults and TLB misses.
+  docs/cpu_hosts.md has the figures. The `jaxperf` commands that run programs on the host and the benchmark scripts
+  restart themselves with it (`reexec_with_huge_pages`); the trainer's start-up log says when a run lacks it.
+- **Collective order.** XLA:CPU runs some programs' collectives in different orders on different devices, where a
+  step hangs and then aborts: `check_collective_order` refuses those meshes before compiling (`build_task` calls
+  it).
+- The model's CPU settings (`matmul_grad_barrier` on, the scan of a shallow stack unrolled) are config fields,
+  settled with the others in `jaxperf.models.platform.settle`: the model sees settings, not backends.
 
 A tunable is read once, when the process starts, so it cannot be switched on from Python. `reexec_with_huge_pages()`
-restarts the current program with it set; the `jaxperf` command and the benchmark scripts call it first thing. In
-your own program, start Python with it:
+restarts the current program with it set; the `jaxperf` commands that run programs on the host (`HUGE_PAGE_COMMANDS`
+in jaxperf.cli) and the benchmark scripts call it first thing. In your own program, start Python with it:
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python train.py
 
@@ -28,6 +35,8 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from jaxperf.config import ConfigError
 
 TUNABLE = "glibc.malloc.hugetlb"
 OPT_OUT = "JAXPERF_HUGE_PAGES"  # "0": never restart the program for huge pages
@@ -157,3 +166,17 @@ def reexec_with_huge_pages() -> bool:
     except OSError:
         return False  # the program goes on as it was
     return True  # not reached: execve does not return when it succeeds
+
+
+def check_collective_order(cfg, mesh_shape: dict[str, int], platform: str) -> None:
+    """ConfigError for the meshes whose step XLA:CPU runs with collectives in different orders on different devices
+    (it hangs, then aborts): a pipeline over fsdp-sharded layers together with a contiguous ring or Megatron sequence
+    parallelism puts two loops of collectives side by side. Accelerators run collectives in program order."""
+    if platform != "cpu" or mesh_shape.get("stage", 1) == 1 or mesh_shape.get("fsdp", 1) == 1:
+        return
+    p = cfg.parallel
+    other = ("seq with context_layout=contiguous" if mesh_shape.get("seq", 1) > 1 and p.context_layout == "contiguous"
+             else "sequence_parallel" if p.sequence_parallel and mesh_shape.get("tensor", 1) > 1 else None)
+    if other:
+        raise ConfigError(f"stage x fsdp x {other} hangs on CPU devices (XLA:CPU runs the collectives out of order): "
+                          f"use fsdp=1, or context_layout=zigzag / sequence_parallel=false")

@@ -28,13 +28,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxperf import _compat
-from jaxperf.config import ConfigError, TrainConfig
+from jaxperf.config import TrainConfig
 from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
 from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import settle
 from jaxperf.parallel.mesh import platform_of
 from jaxperf.parallel.pipeline import split_microbatches
 from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logical_to_spec
+from jaxperf.perf.cpu_host import check_collective_order
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
 from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
 from jaxperf.step.optimizer import make_optimizer
@@ -367,20 +368,6 @@ def step_microbatches(cfg: TrainConfig) -> int:
     return 1 if cfg.parallel.stage > 1 else cfg.microbatches
 
 
-def _check_cpu_collective_order(cfg: TrainConfig, mesh: Mesh) -> None:
-    """ConfigError for the meshes whose step XLA:CPU runs with collectives in different orders on different devices
-    (it hangs, then aborts): a pipeline over fsdp-sharded layers together with a contiguous ring or Megatron sequence
-    parallelism puts two loops of collectives side by side. Accelerators run collectives in program order."""
-    if platform_of(mesh) != "cpu" or mesh.shape.get("stage", 1) == 1 or mesh.shape.get("fsdp", 1) == 1:
-        return
-    p = cfg.parallel
-    other = ("seq with context_layout=contiguous" if mesh.shape.get("seq", 1) > 1 and p.context_layout == "contiguous"
-             else "sequence_parallel" if p.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None)
-    if other:
-        raise ConfigError(f"stage x fsdp x {other} hangs on CPU devices (XLA:CPU runs the collectives out of order): "
-                          f"use fsdp=1, or context_layout=zigzag / sequence_parallel=false")
-
-
 def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module] | None = None, *,
                loss_fn: LossFn | None = None, tx: optax.GradientTransformation | None = None,
                with_optimizer: bool = True) -> Task:
@@ -408,7 +395,7 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
     sequence_parallel = mesh if cfg.parallel.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None
     hooks = (LayerHooks(pipeline=pipeline, context=context, sequence_parallel=sequence_parallel)
              if pipeline or context or sequence_parallel is not None else None)
-    _check_cpu_collective_order(cfg, mesh)
+    check_collective_order(cfg, dict(mesh.shape), platform_of(mesh))
     if make_model is None:
         model_cfg = settle(cfg, dict(mesh.shape), platform_of(mesh))
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731

@@ -40,7 +40,7 @@ from jaxperf.parallel.sharding import check_sharding, format_report
 from jaxperf.perf.compile import enable_compilation_cache
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
-from jaxperf.perf.hostmem import host_memory
+from jaxperf.perf.cpu_host import host_memory
 from jaxperf.perf.memory import OutOfMemoryAdvice, check_fits, estimate, live_device_memory
 from jaxperf.step.task import LossFn, TrainState, build_task, step_microbatches
 from jaxperf.checkpoint import Checkpointer, CheckpointSaveError, NoIntactCheckpointError
