@@ -154,6 +154,16 @@ def test_every_reader_of_a_run_with_no_intact_step_says_so_in_one_line(tmp_path,
     assert _snapshot(run) == before
 
 
+def test_init_from_a_run_with_no_intact_step_is_one_line(tmp_path, capsys):
+    run = _run(tmp_path)
+    for step in (1, 2):
+        _corrupt(run / "checkpoints" / str(step))
+    before = _snapshot(run)
+    line = _refused(capsys, "train", f"init_from={run}", f"run_dir={tmp_path / 'new'}")
+    assert f"no intact checkpoint in {run / 'checkpoints'}" in line, line
+    assert _snapshot(run) == before and not (tmp_path / "new" / "checkpoints").exists()
+
+
 def test_export_of_a_corrupt_step_is_one_line_and_changes_nothing(tmp_path, capsys):
     run = _run(tmp_path)
     _corrupt(run / "checkpoints" / "2")
