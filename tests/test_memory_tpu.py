@@ -9,11 +9,13 @@ llama-1b at 4 rows per chip) and with the fused Pallas loss, two run four layers
 loop over the layers, and one compiles the Llama-3.1-8B shapes of benchmarks/bench_tpu_compile.py with the
 implementations "auto" picks on TPU, so every main term of the estimate is exercised: remove the XLA attention's
 gradients, the loss's gathered output weights, the unrolled layers' shares or the Python loop's recomputed values
-from the estimate and a run below leaves the 10% band. CI runs it with both TPU compilers (jax 0.10's libtpu and
-jax 0.12's), which place the loss differently
-(`jaxperf.perf.memory.tpu_compiler_overlaps_loss`).
+from the estimate and a run below leaves the 10% band.
 
-All runs share one subprocess (libtpu loads once; two processes that open it at once collide on its lock file).
+Each run is a test case of its own, compiled in a subprocess of its own (the compiler's memory goes with it;
+ALLOW_MULTIPLE_LIBTPU_LOAD, set by conftest.py, lets pytest-xdist workers load libtpu side by side). The whole
+matrix runs with the TPU compiler jax 0.12 pins (libtpu 0.0.50); with an older jax's compiler (jax 0.10.2 pins
+0.0.42, whose figures are within 1% of 0.0.50's for every run: docs/performance.md) the CORE runs, one per term of the
+estimate on v5p and tiny on both chips, keep that compiler proven in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from _accelerators import libtpu_pythonpath
@@ -67,31 +70,42 @@ RUNS = [
      ("v5p:2x4x4",)),
 ]
 
+CASES = [(topology, preset, overrides) for preset, overrides, topologies in RUNS for topology in topologies]
+# The TPU compiler jax 0.12 pins compiles every case; an older jax's compiler the v5p cases but the Python loop (and
+# tiny on v6e as well).
+NEWEST_COMPILER = jax.__version_info__ >= (0, 12)
+
+
+def _core(topology: str, preset: str, overrides: list[str]) -> bool:
+    return preset == "tiny" or (topology.startswith("v5p") and "scan_layers=false" not in overrides)
+
+
 _SCRIPT = """
 import json, sys
 from jaxperf.config import get_config
 from jaxperf.train.topology import compile_for_topology
-for topology, preset, overrides in json.loads(sys.argv[1]):
-    r = compile_for_topology(get_config(preset, overrides), topology)
-    print(json.dumps({"topology": topology, "preset": preset, "overrides": overrides,
-                      "compiled": r["bytes_per_chip"]["total"], "estimate": r["estimated_bytes_per_chip"],
-                      "parts": r["estimated_parts"], "bytes_per_chip": r["bytes_per_chip"]}), flush=True)
+topology, preset, overrides = json.loads(sys.argv[1])
+r = compile_for_topology(get_config(preset, overrides), topology)
+print(json.dumps({"compiled": r["bytes_per_chip"]["total"], "estimate": r["estimated_bytes_per_chip"],
+                  "parts": r["estimated_parts"], "bytes_per_chip": r["bytes_per_chip"]}), flush=True)
 """
 
 
 @pytest.mark.slow
-def test_estimate_within_10_percent_of_the_tpu_compiler_for_every_preset():
-    runs = [(topology, preset, overrides) for preset, overrides, topologies in RUNS for topology in topologies]
+@pytest.mark.parametrize("topology,preset,overrides", CASES,
+                         ids=[f"{p}/{t}/{' '.join(o)}" for t, p, o in CASES])
+def test_estimate_within_10_percent_of_the_tpu_compiler(topology, preset, overrides):
+    if not NEWEST_COMPILER and not _core(topology, preset, overrides):
+        pytest.skip(f"compiled with the TPU compiler jax 0.12 pins; jax {jax.__version__}'s compiler runs the v5p "
+                    f"cases (figures within 1% of the newer one's)")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_pythonpath(), env.get("PYTHONPATH")) if p)
-    out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(runs)], capture_output=True, text=True, env=env,
-                         timeout=1800)
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps([topology, preset, overrides])],
+                         capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(records) == len(runs)
-    bad = [r for r in records if abs(r["estimate"] / r["compiled"] - 1) > TOL]
-    assert not bad, "\n".join(
-        f"{r['topology']} {r['preset']} {' '.join(r['overrides'])}: estimate {r['estimate'] / 2**20:.1f} MiB vs "
-        f"compiled {r['compiled'] / 2**20:.1f} MiB ({r['estimate'] / r['compiled']:.3f}); parts {r['parts']}, "
-        f"compiled {r['bytes_per_chip']}" for r in bad)
+    r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    assert abs(r["estimate"] / r["compiled"] - 1) <= TOL, (
+        f"{topology} {preset} {' '.join(overrides)}: estimate {r['estimate'] / 2**20:.1f} MiB vs compiled "
+        f"{r['compiled'] / 2**20:.1f} MiB ({r['estimate'] / r['compiled']:.3f}); parts {r['parts']}, compiled "
+        f"{r['bytes_per_chip']}")
