@@ -130,6 +130,37 @@ def test_explicit_impl_that_cannot_run_raises():
     np.testing.assert_array_equal(attention(q, q, q, impl="auto"), xla_attention(q, q, q))
 
 
+def test_attention_norms_and_the_loss_come_in_by_the_same_door():
+    """One registry per op kind (jaxperf.models.registry): the same errors for each, and an implementation it holds is
+    the one the model runs, handed the model config's platform."""
+    from jaxperf.models import registry
+    from jaxperf.models.attention import register_attention
+
+    x = jnp.zeros((1, 4, 8))
+    with pytest.raises(ValueError, match="unknown norm impl 'flash'; registered: auto, xla, pallas"):
+        registry.implementation("norm", "flash", x, platform="cpu")
+    assert registry.names("loss") == ["auto", "xla", "chunked", "pallas"]
+    model = GPT(ModelConfig(n_layers=1, loss_impl="pallas"), rngs=nnx.Rngs(0))
+    batch = {"inputs": jnp.zeros((2, 8), jnp.int32), "targets": jnp.zeros((2, 8), jnp.int32)}
+    with pytest.raises(RuntimeError, match="loss impl 'pallas' cannot run here: .*metal"):
+        registry.implementation("loss", "pallas", model, batch, platform="metal")
+    assert registry.implementation("norm", "auto", x, platform=None) is registry._REGISTRY["norm"]["xla"].fn
+
+    seen = []
+
+    def spy(q, k, v, *, causal, segment_ids, platform):
+        seen.append(platform)
+        return xla_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+    register_attention("spy", spy)
+    try:
+        cfg = dataclasses.replace(ModelConfig(n_layers=1, attention_impl="spy").resolved(), platform="cpu")
+        GPT(cfg, rngs=nnx.Rngs(0))(jnp.zeros((1, 8), jnp.int32))
+    finally:
+        del registry._REGISTRY["attention"]["spy"]
+    assert seen == ["cpu"]
+
+
 def _loss_and_grads(model, tokens):
     def loss(m):
         return jnp.mean(m(tokens).astype(jnp.float32) ** 2)

@@ -15,43 +15,35 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
 from jaxperf.models.kernels import pallas_attention, pallas_attention_unavailable
 from jaxperf.models.platform import attention_choice
+from jaxperf.models.registry import implementation, names, register
 from jaxperf.parallel.ring_attention import ring_attention_ambient, ring_unavailable
 from pallas_kernels.flash_attention import as_segment_ids
 
 AttentionFn = Callable[..., jax.Array]
 
 
-@dataclass(frozen=True)
-class _Impl:
-    fn: AttentionFn
-    # (q, k, v, platform) -> None when the impl can run on `platform` (None: not known), else the reason it cannot.
-    unavailable: Callable[[jax.Array, jax.Array, jax.Array, str | None], str | None]
-
-
-_REGISTRY: dict[str, _Impl] = {}
 _WARNED: set[str] = set()
 
 
-def register_attention(name: str, fn: AttentionFn, unavailable=lambda q, k, v, platform: None) -> None:
+def register_attention(name: str, fn: AttentionFn, unavailable=None) -> None:
     """Add an implementation `fn(q, k, v, *, causal, segment_ids, platform) -> out` under `name`
-    (model.attention_impl=name).
+    (model.attention_impl=name): `register("attention", ...)` of jaxperf.models.registry.
 
     `platform` is the one the program is built for ("cpu", "gpu", "tpu"; None for a model config that was never
-    settled). `unavailable(q, k, v, platform)` returns None when the impl can run there or the reason it cannot.
+    settled). `unavailable(q, k, v, *, platform)` returns None when the impl can run there or the reason it cannot.
     "auto" never picks a registered implementation: name it.
     """
-    _REGISTRY[name] = _Impl(fn, unavailable)
+    register("attention", name, fn, unavailable)
 
 
 def available_attention_impls() -> list[str]:
-    return ["auto", *_REGISTRY]
+    return names("attention")
 
 
 def xla_attention(q_BxLxHxDh, k_BxSxKxDh, v_BxSxKxDh, *, causal: bool = True, segment_ids=None):
@@ -95,7 +87,7 @@ def _cudnn_attention(q, k, v, *, causal: bool = True, segment_ids=None, platform
     return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
 
 
-def _cudnn_unavailable(q, k, v, platform) -> str | None:
+def _cudnn_unavailable(q, k, v, *, platform) -> str | None:
     if platform not in (None, "gpu"):
         return f"cuDNN attention needs an NVIDIA GPU, the step is compiled for {platform!r}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
@@ -126,14 +118,10 @@ def attention(q, k, v, *, causal: bool = True, segment_ids=None, impl: str = "au
                 _WARNED.add(platform)
                 warnings.warn(f"attention impl 'auto' on {platform} fell back to 'xla': {choice.why}", stacklevel=2)
             impl = choice.impl
-    if impl not in _REGISTRY:
-        raise ValueError(f"unknown attention impl {impl!r}; registered: {', '.join(available_attention_impls())}")
-    why = _REGISTRY[impl].unavailable(q, k, v, platform)
-    if why is not None:
-        raise RuntimeError(f"attention impl {impl!r} cannot run here: {why}. Use impl='auto' or 'xla'.")
-    return _REGISTRY[impl].fn(q, k, v, causal=causal, segment_ids=segment_ids, platform=platform)
+    fn = implementation("attention", impl, q, k, v, platform=platform)
+    return fn(q, k, v, causal=causal, segment_ids=segment_ids, platform=platform)
 
 
 # Sequence parallelism over the ambient mesh's "seq" axis (jaxperf.parallel.ring_attention).
 register_attention("ring", lambda q, k, v, *, causal=True, segment_ids=None, platform=None: ring_attention_ambient(
-    q, k, v, causal=causal, segment_ids=segment_ids), lambda q, k, v, platform: ring_unavailable(q, k, v))
+    q, k, v, causal=causal, segment_ids=segment_ids), lambda q, k, v, *, platform: ring_unavailable(q, k, v))

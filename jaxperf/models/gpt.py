@@ -21,7 +21,9 @@ from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, em
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
 from jaxperf.models.platform import layers_per_iteration
+from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.rules import constrain
+from pallas_kernels.cross_entropy import unavailable_reason as ce_unavailable_reason
 
 # Logical axes of one layer's KV cache [B, K, S, Dh]: rows follow the batch (data axes), KV heads the tensor axis.
 CACHE_AXES = ("batch", "kv_heads", "seq", "head_dim")
@@ -178,31 +180,64 @@ class GPT(nnx.Module):
         logits in fp32; "auto" was settled to one of them with the config (jaxperf.models.platform.settle). The batch
         may carry `positions` and `segment_ids` [B, L] (packed documents; a token order other than 0..L-1).
         """
-        inputs, targets = batch["inputs"], batch["targets"]
-        positions, segments = batch.get("positions"), batch.get("segment_ids")
         mask = batch.get("mask")
-        mask = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
-        # "auto" is left only in a config never settled: resolve gives the portable choice, XLA
-        impl = "chunked" if self.cfg.loss_impl == "chunked" else kernels.resolve(self.cfg.loss_impl, "loss", lambda: None)
-        if impl == "xla":
-            return cross_entropy_from_logits(self(inputs, positions, segments), targets, mask)
-        h_BxLxD = self.hidden(inputs, positions, segments)
-        B, L, D = h_BxLxD.shape
-        total, count = kernels.linear_cross_entropy(
-            h_BxLxD.reshape(B * L, D), self.output_weights().astype(h_BxLxD.dtype), targets.reshape(B * L),
-            mask.reshape(B * L), impl=impl, platform=self.cfg.platform)
+        mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+        loss = implementation("loss", self.cfg.loss_impl, self, batch, platform=self.cfg.platform)
+        total, count = loss(self, batch, mask, platform=self.cfg.platform)
         return total / jnp.maximum(count, 1.0), {"weight": count}
 
 
 def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):
     """(mean of -log p(target) over the mask, {"weight": mask sum}) with the softmax in fp32."""
+    total, weight = cross_entropy_sums(logits_BxLxV, targets_BxL, mask_BxL)
+    return total / jnp.maximum(weight, 1.0), {"weight": weight}
+
+
+def cross_entropy_sums(logits_BxLxV, targets_BxL, mask_BxL):
+    """(sum of -log p(target) over the mask, mask sum) with the softmax in fp32."""
     logits = logits_BxLxV.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
     # A one-hot product, not a gather: the partitioner keeps it in place when the vocabulary is split over `tensor`
     # and the sequence over `seq` (a gather there is all-gathered onto every device first).
     target_logit = jnp.sum(logits * jax.nn.one_hot(targets_BxL, logits.shape[-1], dtype=logits.dtype), axis=-1)
-    weight = jnp.sum(mask_BxL)
-    return jnp.sum((logz - target_logit) * mask_BxL) / jnp.maximum(weight, 1.0), {"weight": weight}
+    return jnp.sum((logz - target_logit) * mask_BxL), jnp.sum(mask_BxL)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loss implementations (jaxperf.models.registry): fn(model, batch, mask, *, platform) -> (sum of token losses,
+# unmasked tokens).
+
+
+def _xla_loss(model: GPT, batch, mask_BxL, *, platform=None):
+    """The model's logits, materialised, then the softmax cross-entropy in fp32."""
+    logits = model(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+    return cross_entropy_sums(logits, batch["targets"], mask_BxL)
+
+
+def _fused_loss(impl: str):
+    """The output projection and the softmax in one pass over row chunks (jaxperf.models.kernels.linear_cross_entropy:
+    "chunked" in plain JAX, "pallas" the kernel): no [tokens, vocab] logits."""
+
+    def loss(model: GPT, batch, mask_BxL, *, platform=None):
+        h_BxLxD = model.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"))
+        B, L, D = h_BxLxD.shape
+        return kernels.linear_cross_entropy(
+            h_BxLxD.reshape(B * L, D), model.output_weights().astype(h_BxLxD.dtype), batch["targets"].reshape(B * L),
+            mask_BxL.reshape(B * L), impl=impl, platform=platform)
+
+    return loss
+
+
+def _pallas_loss_unavailable(model: GPT, batch, *, platform) -> str | None:
+    cfg, (B, L) = model.cfg, batch["targets"].shape
+    h = jax.ShapeDtypeStruct((B * L, cfg.d_model), jnp.dtype(cfg.dtype))
+    w = jax.ShapeDtypeStruct((cfg.d_model, cfg.padded_vocab), jnp.dtype(cfg.dtype))
+    return ce_unavailable_reason(h, w, backend=platform)
+
+
+register("loss", "xla", _xla_loss)
+register("loss", "chunked", _fused_loss("chunked"))
+register("loss", "pallas", _fused_loss("pallas"), _pallas_loss_unavailable)
 
 
 def count_params(cfg: ModelConfig, *, embeddings: bool = True) -> int:

@@ -1,12 +1,14 @@
-"""The model's hot ops with a choice of implementation: "auto" | "xla" | "pallas".
+"""The Pallas kernels behind the model's "pallas" (and "chunked" loss) implementations, placed on the mesh.
 
-A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (inside `activation_sharding`) each kernel
+They enter the model through jaxperf.models.registry: attention.py, layers.py (norms) and gpt.py (the loss) register
+them beside their XLA twins. A Pallas kernel is a custom call that GSPMD cannot split, so under a mesh (inside `activation_sharding`) each kernel
 runs in a `shard_map` over the axes its operands are sharded on: the batch over the data-parallel axes, heads over
 `tensor`. Without a mesh the kernel is called directly.
 
 Every kernel is built for the `platform` it is handed: the model's settled `cfg.platform`, that of the mesh's devices,
 so a TPU topology compiled on a CPU host gets Mosaic kernels, not the CPU interpreter (None, for a config never
-settled: the kernel's own default, JAX's backend). What "auto" picks per platform is jaxperf.models.platform's table.
+settled: the kernel's own default, JAX's backend). What "auto" settles to per platform is jaxperf.models.platform's
+table.
 """
 
 from __future__ import annotations
@@ -21,22 +23,6 @@ from pallas_kernels import norms
 from pallas_kernels.flash_attention import SegmentIds, as_segment_ids, flash_attention
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
 from jaxperf.parallel.rules import activation_spec, current
-
-IMPLS = ("auto", "xla", "pallas")
-
-
-def resolve(impl: str, op: str, unavailable_reason) -> str:
-    """"xla" or "pallas"; an explicit "pallas" that cannot run raises with the kernel's reason."""
-    if impl not in IMPLS:
-        raise ValueError(f"{op} impl {impl!r} is not one of {IMPLS}")
-    if impl == "auto":
-        return "xla"
-    if impl == "pallas":
-        why = unavailable_reason()
-        if why is not None:
-            raise RuntimeError(f"{op} impl 'pallas' cannot run here: {why}. Use impl='auto' or 'xla'.")
-    return impl
-
 
 def _batch_axes(spec: P | None):
     return spec[0] if spec is not None and len(spec) > 0 else None
@@ -79,7 +65,7 @@ def pallas_attention(q, k, v, *, causal: bool = True, segment_ids=None, platform
     return sharded(fn, (q_spec, kv_spec, kv_spec, seg_spec, seg_spec), q_spec)(q, k, v, *segs)
 
 
-def pallas_attention_unavailable(q, k, v, platform: str | None = None):
+def pallas_attention_unavailable(q, k, v, *, platform: str | None = None):
     return flash_unavailable_reason(q, k, v, backend=platform)
 
 
@@ -129,12 +115,7 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform
     data-parallel axes.
     """
     backend = platform
-    if impl == "chunked":
-        which = "xla"
-    else:
-        which = resolve(impl, "loss", lambda: ce.unavailable_reason(h_NxD, w_DxV, backend=backend))
-        if which == "xla":
-            which = "reference"
+    which = {"chunked": "xla", "pallas": "pallas"}[impl]  # the kernel module's names: "xla" is its chunked loop
     mask_N = mask_N.astype(jnp.float32)
     row = activation_spec(("batch",), (h_NxD.shape[0],))
     if row is None:

@@ -20,6 +20,7 @@ from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.quant import Int8Weight
+from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
 from jaxperf.parallel.rules import constrain, sequence_is_split
@@ -129,8 +130,8 @@ def _zeros(key, shape, dtype):
 class Norm(nnx.Module):
     """LayerNorm (scale and optional bias) or RMSNorm (scale only), computed in fp32.
 
-    `impl`: "auto" | "xla" | "pallas" (jaxperf.models.kernels), the kernel built for `platform` (the model config's
-    settled platform). With `residual`, normalises x + residual and returns (normed, x + residual): the pre-norm
+    `impl`: any norm implementation of jaxperf.models.registry ("xla", "pallas"; "auto" in a config never settled is
+    "xla"), built for `platform` (the model config's settled platform). With `residual`, normalises x + residual and returns (normed, x + residual): the pre-norm
     residual pattern, fused into one pass by the Pallas kernel.
     """
 
@@ -141,25 +142,30 @@ class Norm(nnx.Module):
         self.bias = _param(rngs, _zeros, (dim,), ("embed",), param_dtype) if use_bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array, residual: jax.Array | None = None):
-        unavailable = lambda: norm_unavailable_reason(x_BxLxD, backend=self.platform)  # noqa: E731
-        if kernels.resolve(self.impl, "norm", unavailable) == "pallas":
-            bias = None if self.bias is None else self.bias[...]
-            return kernels.pallas_norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual,
-                                       platform=self.platform)
-        if residual is not None:
-            h = x_BxLxD + residual
-            return self._xla(h), h
-        return self._xla(x_BxLxD)
+        norm = implementation("norm", self.impl, x_BxLxD, platform=self.platform)
+        bias = None if self.bias is None else self.bias[...]
+        return norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual,
+                    platform=self.platform)
 
-    def _xla(self, x_BxLxD: jax.Array) -> jax.Array:
-        x = x_BxLxD.astype(jnp.float32)
-        if self.kind == "layernorm":
-            x = x - jnp.mean(x, axis=-1, keepdims=True)
-        x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
-        x = x * _bcast(self.scale[...].astype(jnp.float32), x.ndim)
-        if self.bias is not None:
-            x = x + _bcast(self.bias[...].astype(jnp.float32), x.ndim)
-        return x.astype(x_BxLxD.dtype)
+
+def xla_norm(x_BxLxD, scale, bias, *, kind: str, eps: float, residual=None, platform=None):
+    """LayerNorm or RMSNorm over the last dim in fp32 (the "xla" norm impl); with `residual`, of x + residual,
+    returning (normed, x + residual)."""
+    if residual is not None:
+        h = x_BxLxD + residual
+        return xla_norm(h, scale, bias, kind=kind, eps=eps), h
+    x = x_BxLxD.astype(jnp.float32)
+    if kind == "layernorm":
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    x = x * _bcast(scale.astype(jnp.float32), x.ndim)
+    if bias is not None:
+        x = x + _bcast(bias.astype(jnp.float32), x.ndim)
+    return x.astype(x_BxLxD.dtype)
+
+
+register("norm", "xla", xla_norm)
+register("norm", "pallas", kernels.pallas_norm, lambda x, *, platform: norm_unavailable_reason(x, backend=platform))
 
 
 def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.Array:
