@@ -3,6 +3,7 @@
     python benchmarks/bench_parallel.py                 # the tiny preset on every visible device
     python benchmarks/bench_parallel.py --tiny          # a smaller model and fewer steps (CI)
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/bench_parallel.py --tiny
+    python benchmarks/bench_parallel.py --pairs 'jit/*,pmap/dp'   # only the pairs whose names match a glob
 
 Every supported (flavour, strategy) pair is built from the same preset on the same devices: jit with dp, fsdp, tp and
 fsdp_tp (tensor = 2 where the heads divide), shard_map with the same four and dp with each layer's gradients reduced
@@ -21,6 +22,7 @@ pair runs unsplit and the figures say what the flavours cost in overhead alone.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import statistics
 import sys
 import time
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tiny", action="store_true", help="a smaller model and fewer steps")
     p.add_argument("--steps", type=int, default=None, help="timed steps per pair (default 10, 3 with --tiny)")
     p.add_argument("--out", default="bench_results", help="folder for the PNG")
+    p.add_argument("--pairs", default=None, help="comma-separated globs of pair names to run (default: all)")
     p.add_argument("overrides", nargs="*", help="config key=value for every pair")
     a = p.parse_args(argv)
     from jaxperf.perf.flops import flops_per_token
@@ -104,7 +107,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     base = get_config(a.preset, overrides)
     records, reference = [], None
+    chosen = a.pairs.split(",") if a.pairs else ["*"]
     for name, flavour, strategy, mesh in pairs(n, base.model.n_heads, base.model.n_layers):
+        if not any(fnmatch.fnmatchcase(name, glob) for glob in chosen):
+            continue
         try:
             step, state, batch, cfg = make_train_step(a.preset, [*overrides, f"parallel.strategy={strategy}", *mesh,
                                                                  f"parallel.flavour={flavour}"])

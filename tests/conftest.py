@@ -29,3 +29,15 @@ def _eight_devices():
     n = len(jax.devices("cpu"))
     assert n == 8, f"tests expect 8 simulated CPU devices, found {n}: was JAX initialised before conftest?"
     yield
+
+
+# The files that prove the TPU and GPU paths by compiling on this host (libtpu, the Pallas GPU lowering): their slow
+# tests carry the marker `accelerator_proof` too, so one run can take them with the fast tests at the other end of the
+# supported jax range (.ci/run: -m "not slow or accelerator_proof").
+ACCELERATOR_PROOF_FILES = ("test_topology.py", "test_dispatch.py", "test_memory_tpu.py", "test_kernels_")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name.startswith(ACCELERATOR_PROOF_FILES):
+            item.add_marker(pytest.mark.accelerator_proof)
