@@ -189,7 +189,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 100  # 0 disables
-    eval_batches: int = 4
+    eval_batches: int = 4  # batches per evaluation; 0 turns evaluation off (said once at start-up)
     checkpoint_every: int = 100  # 0 = only at the end
     keep_checkpoints: int = 3  # the newest k checkpoints are kept ...
     keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)

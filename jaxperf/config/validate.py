@@ -226,7 +226,7 @@ RANGES = {
     "max_steps": (_at_least(1), "steps to train to"),
     "log_every": (_at_least(1), "steps between log lines"),
     "eval_every": (_at_least(0), "steps between evaluations; 0 = none"),
-    "eval_batches": (_at_least(0), "batches per evaluation"),
+    "eval_batches": (_at_least(0), "batches per evaluation (0: evaluation off)"),
     "checkpoint_every": (_at_least(0), "steps between checkpoints; 0 = only at the end"),
     "keep_checkpoints": (_at_least(1), "newest checkpoints kept"),
     "keep_checkpoints_every": (_at_least(0), "also keep multiples of this step; 0 = none"),
