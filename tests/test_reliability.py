@@ -120,13 +120,16 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
+# The mirror images of the first and fourth moves are slow tests: one Python version runs them.
 @pytest.mark.parametrize("first, second", [
-    (("8", []), ("4", [])),
-    (("4", []), ("8", [])),
-    (("8", []), ("8", ["parallel.data=2", "parallel.fsdp=4"])),
-    (("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]), ("8", ["model.n_layers=2"])),
-    (("8", ["model.n_layers=2"]), ("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"])),
-], ids=["8to4", "4to8", "1dto2d", "stage2_to_fsdp", "fsdp_to_stage2"])
+    pytest.param(("8", []), ("4", []), id="8to4"),
+    pytest.param(("4", []), ("8", []), id="4to8", marks=pytest.mark.slow),
+    pytest.param(("8", []), ("8", ["parallel.data=2", "parallel.fsdp=4"]), id="1dto2d"),
+    pytest.param(("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]), ("8", ["model.n_layers=2"]),
+                 id="stage2_to_fsdp"),
+    pytest.param(("8", ["model.n_layers=2"]), ("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]),
+                 id="fsdp_to_stage2", marks=pytest.mark.slow),
+])
 def test_resume_onto_another_mesh_is_bitwise_and_trains_on(tmp_path, first, second):
     devices = lambda n: jax.devices()[: int(n)]  # noqa: E731
     t1 = _trainer(tmp_path, devices(first[0]), "max_steps=3", *first[1])
