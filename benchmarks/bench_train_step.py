@@ -32,7 +32,8 @@ import numpy as np
 import optax
 
 from jaxperf.config import get_config, to_dict, validate
-from jaxperf.parallel.mesh import make_mesh
+from jaxperf.models.platform import describe_settled
+from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for, peak_flops
 from jaxperf.perf.cpu_host import reexec_with_huge_pages
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         "compiled_bytes": compiled_memory(compiled),
         "loss_first_last": [first_loss, last_loss],
         "config": to_dict(cfg),
+        "settled": describe_settled(cfg, dict(mesh.shape), platform_of(mesh)),
     }
     if args.profile_steps > 0:
         with tempfile.TemporaryDirectory() as logdir:

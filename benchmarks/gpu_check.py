@@ -114,7 +114,15 @@ def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path) -> list
                          ("gpt2-small_b64", "gpt2-small", ["batch_size=64"]),
                          ("llama-1b_b8_fullloss", "llama-1b", ["batch_size=8", "model.loss_impl=xla"]),
                          ("llama-1b_b8_noremat", "llama-1b", ["batch_size=8", "model.remat=none"]),
-                         ("llama-1b_b16", "llama-1b", ["batch_size=16"])]
+                         ("llama-1b_b16", "llama-1b", ["batch_size=16"]),
+                         # The stack's layout kept (stacked parameters), the loop unrolled: what the Python loop wins?
+                         ("gpt2-small_b32_unroll12", "gpt2-small", ["batch_size=32", "model.scan_unroll=12"]),
+                         ("llama-1b_b8_unroll16", "llama-1b", ["batch_size=8", "model.scan_unroll=16"]),
+                         ("llama-1b_b8_unrolled", "llama-1b", ["batch_size=8", "model.scan_layers=false"]),
+                         # nanoGPT's vocabulary, padded to a multiple of 64 (GPT-2's 50257 is odd).
+                         ("gpt2-small_b32_vocab50304", "gpt2-small", ["batch_size=32", "model.vocab_size=50304"]),
+                         ("gpt2-small_b32_unroll12_vocab50304", "gpt2-small",
+                          ["batch_size=32", "model.scan_unroll=12", "model.vocab_size=50304"])]
             for name, preset, overrides in runs[:1] if dry else runs:
                 jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150))
             if full:
@@ -275,7 +283,8 @@ def normalize(o: Outcome, env: dict, junit: Path) -> list[dict]:
                    "flops_per_token_nanogpt": line["flops_per_token_nanogpt"],
                    "step_s": line["step_time_s"]["median"], "step_s_min": line["step_time_s"]["min"],
                    "compile_s": line["compile_s"], "peak_bytes": line["peak_bytes"],
-                   "compiled_bytes": line["compiled_bytes"], "loss_first_last": line["loss_first_last"]}
+                   "compiled_bytes": line["compiled_bytes"], "loss_first_last": line["loss_first_last"],
+                   "settled": line.get("settled")}
             if "profile" in line:
                 rec["profile"] = line["profile"]
             if "analysis" in line:
