@@ -71,14 +71,16 @@ def _traced_text(fn, *args) -> str:
 
 
 def test_scan_unroll_is_the_platforms_unless_set():
-    """tiny's four layers run unrolled on CPU only; a model built from it with more layers, or compiled for an
-    accelerator, keeps the scan rolled (one layer's recomputed activations live at a time); a set value stays."""
+    """On GPU the whole stack runs in one scan iteration, whatever its depth (faster and leaner there); tiny's four
+    layers run unrolled on CPU as well, a deeper stack there and every stack on TPU keeps the scan rolled (one layer's
+    recomputed activations live at a time); a set value stays."""
     tiny = get_config("tiny").model
     assert tiny.scan_unroll is None
-    assert plat.for_platform(tiny, "cpu").scan_unroll == 4
-    assert plat.for_platform(tiny, "tpu").scan_unroll == 1 and plat.for_platform(tiny, "gpu").scan_unroll == 1
+    assert plat.for_platform(tiny, "cpu").scan_unroll == 4 and plat.for_platform(tiny, "gpu").scan_unroll == 4
+    assert plat.for_platform(tiny, "tpu").scan_unroll == 1
     deep = get_config("tiny", ["model.n_layers=32", "model.d_model=4096"]).model
-    assert plat.for_platform(deep, "cpu").scan_unroll == 1
+    assert plat.for_platform(deep, "cpu").scan_unroll == 1 and plat.for_platform(deep, "tpu").scan_unroll == 1
+    assert plat.for_platform(deep, "gpu").scan_unroll == 32
     assert plat.for_platform(get_config("tiny", ["model.scan_unroll=2"]).model, "tpu").scan_unroll == 2
 
 

@@ -333,6 +333,27 @@ def test_the_tpu_estimate_counts_layers_per_scan_iteration(monkeypatch, newer_co
     assert two - one == pytest.approx(share * 1 * r.n_heads * 1024 * 1024 * (4 + 2), rel=1e-6)
 
 
+# Allocator peaks (`peak_bytes_in_use`) of GPU train steps, GiB, measured with benchmarks/gpu_check.py
+# (benchmarks/results/gpu.jsonl): H100 80GB, jax 0.11.2, 2026-11-26 (the first five), H200, 2026-11-26 (the last).
+GPU_PEAKS = [
+    ("gpt2-small", ["batch_size=32", "scan_unroll=1"], 29.8),
+    ("gpt2-small", ["batch_size=32"], 19.1),  # the GPU default: the whole stack in one scan iteration
+    ("gpt2-small", ["batch_size=32", "scan_layers=false"], 19.1),
+    ("llama-1b", ["batch_size=8", "scan_unroll=1"], 29.7),
+    ("llama-1b", ["batch_size=8"], 28.9),
+    ("gpt2-small", ["batch_size=32", "scan_unroll=1", "loss_impl=chunked"], 25.3),
+]
+
+
+@pytest.mark.parametrize("preset,overrides,peak_gib", GPU_PEAKS)
+def test_the_gpu_estimate_within_10_percent_of_the_measured_peak(preset, overrides, peak_gib):
+    """The estimate of a one-GPU step, made on this CPU host, against the peak the device's allocator reported. A
+    scan that runs every layer in one iteration is counted as the Python loop it compiles to on GPU, whose logits
+    XLA:GPU keeps in fp32."""
+    est = memory.estimate(get_config(preset, overrides), 1, platform="gpu")
+    assert est.total / 2**30 == pytest.approx(peak_gib, rel=0.10)
+
+
 def test_unrolled_layers_keep_matmul_operands_and_recompute_elementwise_chains():
     """With the layers in a Python loop XLA fuses elementwise values into the backward's ops instead of keeping them:
     a residual made by elementwise ops counts as the values its chain starts from, unless a matmul reads it. Under a

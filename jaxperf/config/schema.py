@@ -40,6 +40,9 @@ LossScale = Literal["auto", "dynamic", "none"]
 PipelineSchedule = Literal["gpipe", "1f1b"]
 ContextLayout = Literal["zigzag", "contiguous"]
 LrSchedule = Literal["warmup_cosine", "constant"]
+# softmax: softmax over all experts, top-k, the k weights renormalised to sum to 1 (Mixtral). sigmoid: top-k of
+# independent sigmoid scores, normalised over the k (DeepSeek-V3)
+Router = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,8 @@ class ModelConfig:
     tie_embeddings: bool = True  # output projection = embedding table transposed
     scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
     # Layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params; remat then saves little:
-    # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.settle): on CPU the whole
-    # stack when it has at most 4 layers, else 1; on TPU and GPU 1.
+    # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.settle): on GPU the whole
+    # stack; on CPU the whole stack when it has at most 4 layers, else 1; on TPU 1.
     scan_unroll: int | None = None
     remat: Remat = "none"  # what the backward recomputes (jaxperf.models.gpt.REMAT_POLICIES)
     dtype: Dtype = "float32"  # compute dtype (parameters stay param_dtype)
@@ -82,6 +85,19 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Mixture of experts (jaxperf.models.moe, docs/moe.md): the MLP of MoE layers is n_experts expert MLPs of which
+    # each token uses experts_per_token, chosen by a router. 0 = dense MLPs everywhere.
+    n_experts: int = 0
+    experts_per_token: int = 2  # top-k: 1 <= k <= n_experts
+    n_shared_experts: int = 0  # always-on experts (DeepSeek): a dense MLP n_shared_experts * moe_mlp_dim wide
+    moe_every: int = 1  # layer i (from 0) is MoE when (i + 1) % moe_every == 0; > 1 needs scan_layers=false
+    router: Router = "softmax"
+    moe_mlp_dim: int | None = None  # one expert's hidden width; None = mlp_dim
+    # Each expert takes at most ceil(capacity_factor * tokens * k / n_experts) tokens, the rest are dropped (their
+    # MoE output is zero; the residual carries them). None or 0: dropless (grouped matmuls over every routed token)
+    capacity_factor: float | None = None
+    router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the train loss
+    router_z_loss_coef: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)
 
     def resolved(self) -> "ModelConfig":
         """A copy with every style-dependent None filled in."""
@@ -104,6 +120,7 @@ class ModelConfig:
             position=self.position or ("rope" if llama else "learned"),
             mlp_act=act,
             use_bias=(not llama) if self.use_bias is None else self.use_bias,
+            moe_mlp_dim=(self.moe_mlp_dim or mlp) if self.n_experts else self.moe_mlp_dim,
         )
 
     @property

@@ -16,7 +16,7 @@ Fields `settle` fills:
 |---|---|
 | platform | the mesh's devices' platform |
 | matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
-| scan_unroll (None) | on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; 1 on TPU and GPU (one layer's recomputed activations live at a time) |
+| scan_unroll (None) | on GPU n_layers: the whole stack in one iteration, parameters still stacked (measured on an H100: gpt2-small 1.50x the tokens/s of a rolled scan in 0.64x the memory, llama-1b 1.10x; benchmarks/RESULTS.md, "GPU"); on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; on TPU 1 (one layer's recomputed activations live at a time) |
 | attention_impl, loss_impl, norm_impl ("auto") | the table below, for the train step's shapes (sequence, dtype, heads, rows per device) |
 
 | op | TPU | GPU | CPU |
@@ -108,7 +108,9 @@ CPU_UNROLL_LAYERS = 4
 def default_scan_unroll(platform: str, n_layers: int) -> int:
     """Layers per scan iteration when `model.scan_unroll` is None (see the table above)."""
     _check(platform)
-    return n_layers if platform == "cpu" and n_layers <= CPU_UNROLL_LAYERS else 1
+    if platform == "gpu" or (platform == "cpu" and n_layers <= CPU_UNROLL_LAYERS):
+        return n_layers
+    return 1
 
 
 def layers_per_iteration(cfg: ModelConfig, platform: str | None = None) -> int:

@@ -439,7 +439,13 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
                               cfg, shape)
     local = _per_device_model(r, t)
     seq = int(positions)
-    unrolled_layers = not r.scan_layers  # a Python loop: XLA recomputes elementwise values in the backward
+    per_iteration = min(layers_per_iteration(r, platform), math.ceil(layers)) if r.scan_layers else 1
+    # A Python loop: XLA recomputes elementwise values in the backward. On GPU a scan that runs all its layers in one
+    # iteration (the GPU default) compiles to the same program and peak (measured: gpt2-small on an H100, 19.1 GiB
+    # both ways; benchmarks/RESULTS.md, "GPU")
+    unrolled_layers = not r.scan_layers or (platform == "gpu" and per_iteration >= layers)
+    if unrolled_layers:
+        per_iteration = 1
     saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers)
     # one layer's backward: what it recomputes beyond what the policy saved ...
     recompute = micro_rows * (_layer_bytes_per_row(local, seq, "none", unrolled_layers)
@@ -466,7 +472,6 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     newer_tpu_compiler = platform == "tpu" and tpu_compiler_overlaps_loss()
     # k layers per scan iteration: the layers after the first add shares of their backward working sets, on top of
     # everything else (the compiler gives them no buffer the loss uses)
-    per_iteration = min(layers_per_iteration(r, platform), math.ceil(layers)) if r.scan_layers else 1
     share_recompute, share_attention = UNROLL_SHARES[newer_tpu_compiler]
     unrolled = (per_iteration - 1) * (share_recompute * recompute + share_attention * attention_grads)
     V, D = _split(r.padded_vocab, t), r.d_model
@@ -476,8 +481,10 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     loss_impl = r.loss_impl if r.loss_impl in ("chunked", "pallas") else "xla"
     if loss_impl == "xla":
         # the logits in the compute dtype, kept for the backward; XLA fuses the fp32 softmax and its gradient into
-        # the reductions and matmuls that read them
-        loss += tokens * V * s
+        # the reductions and matmuls that read them. Beside unrolled layers XLA:GPU keeps the logits in fp32 instead
+        # (measured on an H200: the full logits cost gpt2-small 5.7 GiB over the chunked loss there, against 4.5
+        # beside a rolled scan; 32 x 1024 fp32 logits are 6.1 GiB)
+        loss += tokens * V * (4 if platform == "gpu" and unrolled_layers else s)
     elif loss_impl == "chunked":
         # The output weights gathered, their gradient and its reduction, all in the compute dtype (the backward sums
         # dw in fp32 one vocabulary block at a time); the forward's [chunk, V] fp32 logits tile, whose buffer the
