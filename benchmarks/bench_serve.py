@@ -232,7 +232,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     common.update(arrival_rate=rate, budget_s=budget, solo_long_s=solo_s, capacity_rps=capacity)
     load_rng_seed = args.seed + 1
 
+    started = time.perf_counter()
+
+    def phase(what: str) -> None:  # where a run that ran out of time was (stderr, beside the records)
+        print(f"bench_serve: {what} at {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+
     def scenario(name: str, gens, batching: str) -> dict:
+        phase(f"scenario {name}")
         server = serve(gens, batching)
         try:
             warm(server, prompt_range, timeout)
@@ -272,15 +278,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         records.append(scenario(f"continuous_rows_x{n_rep}", [rows_gen], "continuous"))
     else:
         rows_gen = None
+        why = (f"--replicas {n_rep}: nothing to compare one replica with" if n_rep <= 1 else
+               f"{n_rep} replicas need {n_rep} devices, found {len(jax.devices())}: on a CPU host run with "
+               f"XLA_FLAGS=--xla_force_host_platform_device_count={n_rep}, else pass --replicas "
+               f"{len(jax.devices())} or fewer")
         for name in (f"continuous_x{n_rep}", f"continuous_rows_x{n_rep}"):
-            records.append(emit(record(NAME, name, None, None, skipped=(
-                f"{n_rep} replicas need {n_rep} devices, found {len(jax.devices())}: run with "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={n_rep}"), **common)))
+            records.append(emit(record(NAME, name, None, None, skipped=why, **common)))
 
     gen8 = gen.on(gen.mesh, quantize="int8") if not gen.quantized else gen
     records.append(scenario("continuous_int8", [gen8], "continuous"))
 
     # int8: bytes and held-out perplexity of both weight sets (the full forward, stacked layers as trained).
+    phase("held-out perplexity, fp32 and int8")
     task = build_task(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, strategy="tp")),
                       _compat.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:1]),
                       with_optimizer=False)
@@ -299,6 +308,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         **common)))
 
     # The engine alone: decode tokens/s at batch 1 and 32 (and int8 at 8), greedy, no server.
+    phase("engine decode")
     prompt_len, new = (16, 32) if tiny else (32, 96)
     reps = 1 if tiny else 3
     d1 = engine_decode(gen, 1, prompt_len, new, reps, rng)
