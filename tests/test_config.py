@@ -123,12 +123,12 @@ def test_any_annotated_field_parses_including_tuples_and_nested_sections():
 
 
 def test_presets_are_functions_and_configs_round_trip_through_json():
-    assert set(PRESETS) >= {"tiny", "gpt2-small", "gpt2-medium", "llama-1b"}
+    assert set(PRESETS) >= {"tiny", "gpt2-small", "gpt2-medium", "llama-1b", "moe-tiny"}
     assert all(isinstance(make(), TrainConfig) for make in PRESETS.values())
     cfg = get_config("llama-1b", ["batch_size=8"])
     assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg
-    with pytest.raises(ConfigError, match=r"ModelConfig has no field\(s\) n_experts"):
-        from_dict({**to_dict(cfg), "model": {**to_dict(cfg)["model"], "n_experts": 8}})
+    with pytest.raises(ConfigError, match=r"ModelConfig has no field\(s\) n_mixtures"):
+        from_dict({**to_dict(cfg), "model": {**to_dict(cfg)["model"], "n_mixtures": 8}})
     register_preset("tiny-short", lambda: dataclasses.replace(PRESETS["tiny"](), max_steps=7))
     try:
         assert get_config("tiny-short", ["seed=3"]).max_steps == 7

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,15 @@ def tiny() -> TrainConfig:
         data=DataConfig(max_bytes=8_000_000),
         batch_size=16, max_steps=300, run_dir="runs/tiny",
     )
+
+
+def moe_tiny() -> TrainConfig:
+    """`tiny` with a mixture-of-experts MLP in every layer: 8 experts of width 256, top-2 (softmax router), dropless.
+    Each token's expert work (2 x 256) matches tiny's dense MLP width (512); the experts hold 4x its MLP weights."""
+    base = tiny()
+    return dataclasses.replace(
+        base, model=dataclasses.replace(base.model, n_experts=8, experts_per_token=2, moe_mlp_dim=256),
+        run_dir="runs/moe-tiny")
 
 
 def gpt2_small() -> TrainConfig:
@@ -59,7 +69,7 @@ def llama_1b() -> TrainConfig:
 
 
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
-    "tiny": tiny, "gpt2-small": gpt2_small, "gpt2-medium": gpt2_medium, "llama-1b": llama_1b,
+    "tiny": tiny, "gpt2-small": gpt2_small, "gpt2-medium": gpt2_medium, "llama-1b": llama_1b, "moe-tiny": moe_tiny,
 }
 DEFAULT_PRESET = "tiny"
 

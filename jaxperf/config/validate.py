@@ -98,7 +98,26 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if r.scan_unroll is not None and r.scan_unroll < 1:
         raise ConfigError(f"model.scan_unroll={r.scan_unroll} must be at least 1 (layers per scan iteration; "
                           f"{r.n_layers} unrolls all of them)")
+    _validate_moe(r)
     return r
+
+
+def _validate_moe(r: ModelConfig) -> None:
+    """The mixture-of-experts fields against each other and the layer stack (jaxperf.models.moe)."""
+    if not r.n_experts:
+        if r.n_shared_experts:
+            raise ConfigError(f"model.n_shared_experts={r.n_shared_experts} needs model.n_experts > 0 (shared experts "
+                              f"sit beside routed ones): set n_experts, or widen model.mlp_dim for a dense MLP")
+        return
+    if r.experts_per_token > r.n_experts:
+        raise ConfigError(f"model.experts_per_token={r.experts_per_token} is more than model.n_experts="
+                          f"{r.n_experts}: use experts_per_token <= {r.n_experts}")
+    if r.moe_every > r.n_layers:
+        raise ConfigError(f"model.moe_every={r.moe_every} is above model.n_layers={r.n_layers}, so no layer would be "
+                          f"MoE: use moe_every <= {r.n_layers}, or n_experts=0 for a dense model")
+    if r.moe_every > 1 and r.scan_layers:
+        raise ConfigError(f"model.moe_every={r.moe_every} mixes dense and MoE layers, which one scanned layer body "
+                          f"cannot hold: set model.scan_layers=false, or moe_every=1")
 
 
 def _validate_stage_seq(cfg: TrainConfig, shape: dict[str, int]) -> None:
@@ -177,6 +196,10 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
         if not m.scan_layers:
             raise ConfigError("parallel.stage > 1 needs model.scan_layers=true (the pipeline splits the stacked "
                               "layers over the stages)")
+    if m.n_experts and (shape["stage"] > 1 or cfg.parallel.flavour != "jit"):
+        what = f"parallel.stage={shape['stage']}" if shape["stage"] > 1 else f"parallel.flavour={cfg.parallel.flavour}"
+        raise ConfigError(f"model.n_experts={m.n_experts} (MoE) runs with parallel.flavour=jit and parallel.stage=1, "
+                          f"not {what}: change that, or set n_experts=0")
     if shape["seq"] > 1:
         parts = shape["seq"] * (2 if cfg.parallel.context_layout == "zigzag" else 1)
         if seq % parts:
@@ -244,6 +267,14 @@ RANGES = {
     "model.head_dim": (_at_least(1), "width of a head; none = d_model / n_heads"),
     "model.mlp_dim": (_at_least(1), "MLP width; none = the style's default"),
     "model.scan_unroll": (_at_least(1), "layers per scan iteration"),
+    "model.n_experts": (_at_least(0), "experts per MoE layer; 0 = dense"),
+    "model.experts_per_token": (_at_least(1), "experts each token is routed to (top-k)"),
+    "model.n_shared_experts": (_at_least(0), "always-on experts per MoE layer"),
+    "model.moe_every": (_at_least(1), "every Nth layer is MoE"),
+    "model.moe_mlp_dim": (_at_least(1), "one expert's hidden width; none = mlp_dim"),
+    "model.capacity_factor": (_at_least(0), "expert capacity over an even share; 0 or none = dropless"),
+    "model.router_aux_loss_coef": (_at_least(0), "weight of the load-balancing loss"),
+    "model.router_z_loss_coef": (_at_least(0), "weight of the router z-loss"),
     "model.rope_theta": (_positive, "RoPE base"),
     "model.norm_eps": (_positive, "norm epsilon"),
     "model.init_std": (_positive, "initialisation standard deviation"),

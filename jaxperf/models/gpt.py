@@ -19,6 +19,7 @@ from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
+from jaxperf.models.moe import STATS, MoE, MoeStats, is_moe_layer
 from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
 from jaxperf.models.platform import layers_per_iteration
 from jaxperf.models.registry import implementation, register
@@ -34,9 +35,14 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
     @nnx.split_rngs(splits=cfg.n_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def make(r: nnx.Rngs) -> Block:
-        return Block(cfg, rngs=r)
+        return _block(cfg, r, 0)  # a stack is all dense or all MoE (validate_model refuses moe_every > 1 here)
 
     return make(rngs)
+
+
+def _block(cfg: ModelConfig, rngs: nnx.Rngs, layer: int) -> Block:
+    """Layer `layer`, with an MoE MLP where the config puts one (jaxperf.models.moe.is_moe_layer)."""
+    return Block(cfg, rngs=rngs, make_mlp=MoE if is_moe_layer(cfg, layer) else None)
 
 
 class GPT(nnx.Module):
@@ -65,7 +71,7 @@ class GPT(nnx.Module):
         if cfg.scan_layers:
             self.blocks = _stacked_blocks(cfg, rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.blocks = nnx.List([_block(cfg, rngs, i) for i in range(cfg.n_layers)])
         self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs,
                                impl=cfg.norm_impl, platform=cfg.platform)
         self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
@@ -92,7 +98,7 @@ class GPT(nnx.Module):
         hooks = self.hooks
 
         def apply(graphdef, state, x, pos, seg):
-            return nnx.merge(graphdef, hooks.layer_params(state))(x, pos, seg, hooks)
+            return nnx.merge(graphdef, hooks.layer_params(state)).forward(x, pos, seg, hooks)
 
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
@@ -101,14 +107,30 @@ class GPT(nnx.Module):
             graphdef, state = nnx.split(self.blocks)
 
             def body(x, layer_state):
-                return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL), None
+                return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL)
 
-            x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg))
+            # every layer's MoE stats come out as the scan's stacked outputs ({} for dense layers)
+            x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg))
+            stats = [jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)] if stats else []
         else:
+            stats = []
             for block in self.blocks:
                 graphdef, state = nnx.split(block)
-                x_BxLxD = apply(graphdef, state, x_BxLxD, positions_BxL, segment_ids_BxL)
+                x_BxLxD, layer_stats = apply(graphdef, state, x_BxLxD, positions_BxL, segment_ids_BxL)
+                stats += [layer_stats] if layer_stats else []
+        if stats:
+            # the mean over the MoE layers, so the loss coefficients do not depend on depth; taken by the loss
+            self.moe_stats = MoeStats({k: jnp.mean(jnp.stack([s[k] for s in stats])) for k in STATS})
         return self.final_norm(x_BxLxD)
+
+    def pop_moe_stats(self) -> dict[str, jax.Array]:
+        """The MoE router statistics of the last `hidden` (aux_loss, z_loss, dropped: means over the MoE layers),
+        removed from the module so they never become model state; {} for a dense model or before any forward."""
+        if not hasattr(self, "moe_stats"):
+            return {}
+        stats = dict(self.moe_stats.get_value())
+        del self.moe_stats
+        return stats
 
     def init_cache(self, batch: int, max_len: int, dtype=None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """Zeroed KV cache (k, v): one [B, K, max_len, Dh] array per layer, in the compute dtype (see `cached`).
@@ -175,6 +197,10 @@ class GPT(nnx.Module):
     def next_token_loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         """Masked next-token cross-entropy (fp32): (mean over unmasked tokens, {"weight": unmasked tokens}).
 
+        An MoE model (`n_experts > 0`) adds `router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss` to the
+        mean and reports its router statistics as aux["metrics"] (moe_aux_loss, moe_z_loss, moe_dropped_fraction),
+        which the train step adds to its metrics.
+
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
         [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; "xla" materialises the
         logits in fp32; "auto" was settled to one of them with the config (jaxperf.models.platform.settle). The batch
@@ -184,7 +210,15 @@ class GPT(nnx.Module):
         mask = jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
         loss = implementation("loss", self.cfg.loss_impl, self, batch, platform=self.cfg.platform)
         total, count = loss(self, batch, mask, platform=self.cfg.platform)
-        return total / jnp.maximum(count, 1.0), {"weight": count}
+        mean, aux = total / jnp.maximum(count, 1.0), {"weight": count}
+        stats = self.pop_moe_stats()
+        if stats:
+            # An MoE model trains on the cross-entropy plus its router losses; each is reported as a step metric.
+            cfg = self.cfg
+            mean = mean + cfg.router_aux_loss_coef * stats["aux_loss"] + cfg.router_z_loss_coef * stats["z_loss"]
+            aux["metrics"] = {"moe_aux_loss": stats["aux_loss"], "moe_z_loss": stats["z_loss"],
+                              "moe_dropped_fraction": stats["dropped"]}
+        return mean, aux
 
 
 def cross_entropy_from_logits(logits_BxLxV, targets_BxL, mask_BxL):

@@ -333,22 +333,34 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """Pre-norm Transformer layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm Transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    `make_mlp(cfg, rngs=)` builds the MLP (default `MLP`); one that returns (y, stats), as `jaxperf.models.moe.MoE`
+    does, has its stats handed out by `forward`.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs, make_mlp=None):
         kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs,
                   impl=cfg.norm_impl, platform=cfg.platform)
         self.attn_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = (make_mlp or MLP)(cfg, rngs=rngs)
 
-    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None, hooks: LayerHooks = DEFAULT_HOOKS):
+    def _mlp(self, normed, hooks: LayerHooks) -> tuple[jax.Array, dict]:
+        out = self.mlp(normed, hooks)
+        return out if isinstance(out, tuple) else (out, {})
+
+    def forward(self, x_BxLxD, positions_BxL, segment_ids_BxL=None, hooks: LayerHooks = DEFAULT_HOOKS):
+        """(x [B, L, D], the MLP's stats: {} for a dense MLP, the router's for an MoE one)."""
         attn_out = self.attn(self.attn_norm(x_BxLxD), positions_BxL, segment_ids_BxL, hooks)
         normed, x_BxLxD = self.mlp_norm(attn_out, residual=x_BxLxD)  # x + attn, normalised in the same pass
         x_BxLxD = constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
-        x_BxLxD = x_BxLxD + self.mlp(normed, hooks)
-        return constrain(x_BxLxD, ("batch", "residual_seq", "embed"))
+        mlp_out, stats = self._mlp(normed, hooks)
+        return constrain(x_BxLxD + mlp_out, ("batch", "residual_seq", "embed")), stats
+
+    def __call__(self, x_BxLxD, positions_BxL, segment_ids_BxL=None, hooks: LayerHooks = DEFAULT_HOOKS):
+        return self.forward(x_BxLxD, positions_BxL, segment_ids_BxL, hooks)[0]
 
     def cached(self, x_BxTxD, positions_BxT, k_cache, v_cache, index_B=None, *, attend=None):
         """The layer over a KV cache (see `Attention.cached`): (x [B, T, D], k_cache, v_cache)."""
@@ -356,5 +368,5 @@ class Block(nnx.Module):
                                                       index_B, attend=attend)
         normed, x_BxTxD = self.mlp_norm(attn_out, residual=x_BxTxD)
         x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "embed"))
-        x_BxTxD = x_BxTxD + self.mlp(normed)
+        x_BxTxD = x_BxTxD + self._mlp(normed, DEFAULT_HOOKS)[0]
         return constrain(x_BxTxD, ("batch", "seq", "embed")), k_cache, v_cache

@@ -273,7 +273,8 @@ class Task:
 
         Numerical health follows `self.health`: a step with non-finite loss or gradients (or a loss spike, if enabled)
         leaves params, optimizer and model state untouched and is counted in `state.health`; metrics carry
-        `skipped`, `consecutive_skips` and `loss_scale`."""
+        `skipped`, `consecutive_skips` and `loss_scale`. Scalars a loss returns in `aux["metrics"]` (an MoE model's
+        router statistics) join the metrics, averaged over microbatches by their weights."""
         opts, tx = self.health, self._require_tx()
         loss_fn = loss_fn or self.loss_fn
         schedule = schedule or self.schedule
@@ -293,21 +294,32 @@ class Task:
             scale = state.health["loss_scale"] if opts.loss_scale else jnp.ones((), jnp.float32)
             with activation_sharding(self.mesh, self.rules):
                 if microbatches == 1:
-                    loss, weight, _, model_state, grads = self._grads(
+                    loss, weight, aux, model_state, grads = self._grads(
                         scaled_loss, state.params, state.model_state, batch, scale)
                     total_w, total_loss = weight, loss * weight
                     grads = jax.tree.map(lambda g: g * weight, grads)
+                    extra = aux.get("metrics", {})
                 else:
-                    def grads_of(ms, mb):
-                        loss, w, _, ms, g = self._grads(scaled_loss, state.params, ms, mb, scale)
-                        return loss, w, ms, g
+                    micro = jax.tree.map(split_micro, batch)
+                    # the loss's own metrics ride in the scan's model-state carry, summed times each weight
+                    shapes = jax.eval_shape(lambda p, ms, mb: loss_fn(self.merge(p, ms), mb)[1].get("metrics", {}),
+                                            state.params, state.model_state, jax.tree.map(lambda x: x[0], micro))
+                    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), shapes)
 
-                    grads, total_w, total_loss, model_state = accumulate_microbatches(
-                        grads_of, jax.tree.map(split_micro, batch), jax.tree.map(jnp.zeros_like, state.params),
-                        jnp.zeros((), jnp.float32), state.model_state, constrain=grad_constraint)
+                    def grads_of(carry, mb):
+                        ms, sums = carry
+                        loss, w, aux, ms, g = self._grads(scaled_loss, state.params, ms, mb, scale)
+                        sums = jax.tree.map(lambda a, m: a + w * m, sums, aux.get("metrics", {}))
+                        return loss, w, (ms, sums), g
+
+                    grads, total_w, total_loss, (model_state, sums) = accumulate_microbatches(
+                        grads_of, micro, jax.tree.map(jnp.zeros_like, state.params),
+                        jnp.zeros((), jnp.float32), (state.model_state, zeros), constrain=grad_constraint)
+                    extra = jax.tree.map(lambda a: a / total_w, sums)
                 grads = grad_constraint(jax.tree.map(lambda g: g / (total_w * scale), grads))
                 loss = total_loss / (total_w * scale)
-            return finish_step(tx, opts, state, grads, loss, total_w, model_state, schedule)
+            state, metrics = finish_step(tx, opts, state, grads, loss, total_w, model_state, schedule)
+            return state, {**metrics, **extra}
 
         shardings = self.state_shardings()
         return jax.jit(

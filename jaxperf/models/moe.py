@@ -1,0 +1,190 @@
+"""A mixture-of-experts MLP: a router picks k of E expert MLPs for every token (docs/moe.md).
+
+    moe = MoE(ModelConfig(n_experts=8, experts_per_token=2), rngs=nnx.Rngs(0))
+    y_BxLxD, stats = moe(x_BxLxD)     # stats: aux_loss, z_loss, dropped (fp32 scalars of this layer)
+
+The router is a [D, E] matmul in fp32. Routing (`route`): "softmax" takes the softmax over all experts, keeps the top
+k and renormalises their weights to sum to 1 (Mixtral); "sigmoid" keeps the top k of independent sigmoid scores,
+normalised over the k (DeepSeek-V3). Two ways to run the experts:
+
+  dropless (capacity_factor None or 0)  the token slots sorted by expert and run as grouped matmuls
+                                        (`jax.lax.ragged_dot`): every routed token is computed, none is padded
+  capacity (capacity_factor > 0)        each expert takes at most C = ceil(capacity_factor * T * k / E) slots into a
+                                        dense [E, C, D] buffer; the slots past C are dropped (their MoE output is zero,
+                                        the residual carries the token) and counted
+
+Expert weights are stacked arrays with a leading `expert` axis (`w_in_ExDxF`...), so a rule table can shard them over
+an expert mesh axis; no rule names `expert` yet, so they are replicated over it. Shared experts (`n_shared_experts`,
+DeepSeek) are one dense MLP of width n_shared_experts * moe_mlp_dim added to every token's routed output.
+
+Legend: B batch, L length, D embed, T tokens (B * L), E experts, K experts per token, S token slots (T * K),
+F one expert's hidden width, C expert capacity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
+from jaxperf.models.layers import MLP, _param, _zeros
+
+STATS = ("aux_loss", "z_loss", "dropped")  # what every MoE layer reports, each an fp32 scalar
+
+
+class MoeStats(nnx.Variable):
+    """The router statistics of the last forward (averaged over the MoE layers), left on the GPT by `hidden` for its
+    loss to take (`GPT.pop_moe_stats`): neither a parameter nor state kept between steps."""
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether layer `layer` (from 0) has an MoE MLP: every `moe_every`-th layer, counting from 1, when n_experts > 0
+    (moe_every=2 makes layers 1, 3, 5... MoE, as in Switch and GShard)."""
+    return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
+
+
+def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots each expert takes on the capacity path: ceil(factor * tokens * k / n_experts), at least 1."""
+    return max(1, math.ceil(factor * tokens * k / n_experts))
+
+
+def route(logits_TxE: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights [T, K] fp32 summing to 1 per token, experts [T, K] int32, probs [T, E] fp32) from router logits.
+
+    `probs` are the per-expert scores the load-balancing loss averages: the softmax for "softmax", the sigmoid scores
+    normalised over all E experts for "sigmoid". Both routers renormalise the k kept weights.
+    """
+    logits = logits_TxE.astype(jnp.float32)
+    if router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+        top_TxK, experts_TxK = jax.lax.top_k(probs, k)
+    elif router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        top_TxK, experts_TxK = jax.lax.top_k(scores, k)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        raise ValueError(f"unknown router {router!r}; expected 'softmax' or 'sigmoid'")
+    weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
+    return weights_TxK, experts_TxK.astype(jnp.int32), probs
+
+
+def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Array:
+    """E * sum_e f_e * P_e (Switch Transformer): f_e the share of the T * K token slots routed to expert e, P_e the
+    mean router probability of e. 1 when routing is uniform, E when every token goes to one expert (with all its
+    probability); only P carries a gradient."""
+    E = probs_TxE.shape[-1]
+    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
+    p_E = jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
+    return E * jnp.sum(f_E * p_E)
+
+
+def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
+    """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps the router logits small, so its softmax stays
+    accurate in low precision."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)))
+
+
+def _activate(h, gate, act: str):
+    """The dense MLP's nonlinearity (jaxperf.models.layers.MLP): SwiGLU, or GELU (tanh form unless gelu_exact)."""
+    if act == "swiglu":
+        return jax.nn.silu(gate) * h
+    return jax.nn.gelu(h, approximate=act != "gelu_exact")
+
+
+class MoE(nnx.Module):
+    """The MoE MLP of one layer; `__call__` returns (y [B, L, D], {aux_loss, z_loss, dropped}).
+
+    Its parameters are checkpoint keys: `router_DxE`; `w_in_ExDxF`, `w_gate_ExDxF` (SwiGLU), `w_out_ExFxD` and, with
+    biases, `bias_in_ExF`, `bias_out_ExD`; `shared` (a `MLP`) with shared experts.
+    """
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.moe_mlp_dim or cfg.mlp_dim
+        init = nnx.initializers.normal(cfg.init_std)
+        out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        pd = jnp.dtype(cfg.param_dtype)
+        self.act, self.k, self.router = cfg.mlp_act, cfg.experts_per_token, cfg.router
+        self.capacity_factor = cfg.capacity_factor or 0.0
+        # The expert dim is unnamed on the router: its [T, E] logits are needed whole on every device.
+        self.router_DxE = _param(rngs, init, (D, E), ("embed", None), pd)
+        self.w_in_ExDxF = _param(rngs, init, (E, D, F), ("expert", "embed", "mlp"), pd)
+        self.w_gate_ExDxF = (_param(rngs, init, (E, D, F), ("expert", "embed", "mlp"), pd)
+                             if self.act == "swiglu" else None)
+        self.w_out_ExFxD = _param(rngs, out_init, (E, F, D), ("expert", "mlp", "embed"), pd)
+        self.bias_in_ExF = _param(rngs, _zeros, (E, F), ("expert", "mlp"), pd) if cfg.use_bias else None
+        self.bias_out_ExD = _param(rngs, _zeros, (E, D), ("expert", "embed"), pd) if cfg.use_bias else None
+        self.shared = (MLP(dataclasses.replace(cfg, mlp_dim=cfg.n_shared_experts * F), rngs=rngs)
+                       if cfg.n_shared_experts else None)
+
+    def _weights(self, dt):
+        opt = lambda p: None if p is None else p[...].astype(dt)  # noqa: E731
+        return (opt(self.w_in_ExDxF), opt(self.w_gate_ExDxF), opt(self.w_out_ExFxD), opt(self.bias_in_ExF),
+                opt(self.bias_out_ExD))
+
+    def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> tuple[jax.Array, dict]:
+        B, L, D = x_BxLxD.shape
+        x_TxD = x_BxLxD.reshape(B * L, D)
+        logits_TxE = x_TxD.astype(jnp.float32) @ self.router_DxE[...].astype(jnp.float32)
+        weights_TxK, experts_TxK, probs_TxE = route(logits_TxE, self.k, self.router)
+        if self.capacity_factor > 0:
+            y_TxD, dropped = self._capacity(x_TxD, weights_TxK, experts_TxK)
+        else:
+            y_TxD, dropped = self._dropless(x_TxD, weights_TxK, experts_TxK), jnp.zeros((), jnp.float32)
+        y_BxLxD = y_TxD.reshape(B, L, D)
+        if self.shared is not None:
+            y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
+        stats = {"aux_loss": load_balancing_loss(probs_TxE, experts_TxK), "z_loss": router_z_loss(logits_TxE),
+                 "dropped": dropped}
+        return checkpoint_name(y_BxLxD, "mlp_out"), stats
+
+    def _dropless(self, x_TxD, weights_TxK, experts_TxK):
+        """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
+        T, K = experts_TxK.shape
+        E = self.w_in_ExDxF.shape[0]
+        w_in, w_gate, w_out, b_in, b_out = self._weights(x_TxD.dtype)
+        experts_S = experts_TxK.reshape(T * K)
+        order_S = jnp.argsort(experts_S, stable=True)  # slots grouped by expert, token order within a group
+        expert_of_S = experts_S[order_S]
+        x_SxD = jnp.take(x_TxD, order_S // K, axis=0)
+        sizes_E = jnp.bincount(experts_S, length=E).astype(jnp.int32)
+        h_SxF = jax.lax.ragged_dot(x_SxD, w_in, sizes_E)
+        if b_in is not None:
+            h_SxF = h_SxF + jnp.take(b_in, expert_of_S, axis=0)
+        gate_SxF = jax.lax.ragged_dot(x_SxD, w_gate, sizes_E) if w_gate is not None else None
+        out_SxD = jax.lax.ragged_dot(_activate(h_SxF, gate_SxF, self.act), w_out, sizes_E)
+        if b_out is not None:
+            out_SxD = out_SxD + jnp.take(b_out, expert_of_S, axis=0)
+        out_TxKxD = jnp.take(out_SxD, jnp.argsort(order_S), axis=0).reshape(T, K, -1)  # back to slot order
+        return jnp.einsum("tkd,tk->td", out_TxKxD, weights_TxK.astype(out_TxKxD.dtype))
+
+    def _capacity(self, x_TxD, weights_TxK, experts_TxK):
+        """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
+        any token's second (GShard), tokens in order within a choice, so overflow drops the later and lower choices."""
+        T, K = experts_TxK.shape
+        E = self.w_in_ExDxF.shape[0]
+        C = capacity(T, K, E, self.capacity_factor)
+        w_in, w_gate, w_out, b_in, b_out = self._weights(x_TxD.dtype)
+        experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
+        onehot_SxE = jax.nn.one_hot(experts_S, E, dtype=jnp.int32)
+        position_S = jnp.sum((jnp.cumsum(onehot_SxE, axis=0) - 1) * onehot_SxE, axis=-1)  # rank within its expert
+        keep_S = position_S < C
+        tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
+        # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").
+        x_ExCxD = jnp.zeros((E, C, x_TxD.shape[1]), x_TxD.dtype).at[experts_S, position_S].add(
+            jnp.take(x_TxD, tokens_S, axis=0), mode="drop")
+        h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_in)
+        if b_in is not None:
+            h_ExCxF = h_ExCxF + b_in[:, None, :]
+        gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate) if w_gate is not None else None
+        out_ExCxD = jnp.einsum("ecf,efd->ecd", _activate(h_ExCxF, gate_ExCxF, self.act), w_out)
+        if b_out is not None:
+            out_ExCxD = out_ExCxD + b_out[:, None, :]
+        out_SxD = out_ExCxD[experts_S, jnp.minimum(position_S, C - 1)]
+        combine_S = weights_TxK.T.reshape(K * T) * keep_S  # a dropped slot adds nothing
+        out_KxTxD = (out_SxD * combine_S.astype(out_SxD.dtype)[:, None]).reshape(K, T, -1)
+        return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
