@@ -19,6 +19,11 @@ layer's forward that its backward needs and the policy did not save:
     save_dots_no_batch   the attention core (QK^T and PV are the only dots with batch dims)
     save_attn_proj       the attention core and the MLP input (and gate) projections
 
+A mixture-of-experts layer (jaxperf.models.moe) counts the parameters one token uses: the router (D x E), its k
+routed experts and the shared experts. Experts a token is not routed to do no work for it, so MFU is that of the
+active parameters; on the capacity path the padding of half-empty expert buffers is not counted either (it is not
+useful work), and neither is the routing itself (sorting, gathers, top-k).
+
 These agree with XLA's own count (`compiled.cost_analysis()["flops"]` of a train step) to about 2% on the built-in
 GPT with XLA attention and unrolled layers; tests/test_perf.py checks it. Two things XLA counts differently:
 it computes the whole score matrix, so compare it with `causal=False`; and it counts a `lax.scan` body once, not once
@@ -29,22 +34,33 @@ is why its figure sits a little above ours.
 from __future__ import annotations
 
 from jaxperf.config import ModelConfig
+from jaxperf.models.moe import is_moe_layer
 
 
-def _layer_matmul_params(r: ModelConfig) -> dict[str, int]:
+def _layer_matmul_params(r: ModelConfig, layer: int = 0) -> dict[str, int]:
+    """Matmul parameters one token meets in layer `layer`; in an MoE layer "mlp_in" also holds the router's."""
     D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
+    gate = 2 if r.mlp_act == "swiglu" else 1
+    if is_moe_layer(r, layer):  # the k routed experts and the shared ones, each moe_mlp_dim wide
+        F, router = (r.experts_per_token + r.n_shared_experts) * r.moe_mlp_dim, D * r.n_experts
+    else:
+        router = 0
     return {
         "qkv": D * H * Dh + 2 * D * K * Dh,
         "attn_out": H * Dh * D,
-        "mlp_in": (2 if r.mlp_act == "swiglu" else 1) * D * F,
+        "mlp_in": gate * D * F + router,
         "mlp_out": F * D,
     }
 
 
+def _layers(r: ModelConfig) -> list[dict[str, int]]:
+    return [_layer_matmul_params(r, i) for i in range(r.n_layers)]
+
+
 def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in matmuls (see module docstring)."""
+    """Parameters that take part in matmuls for one token (see module docstring): with MoE, the active ones."""
     r = cfg.resolved()
-    return r.n_layers * sum(_layer_matmul_params(r).values()) + r.d_model * r.padded_vocab
+    return sum(sum(p.values()) for p in _layers(r)) + r.d_model * r.padded_vocab
 
 
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
@@ -57,16 +73,16 @@ def attention_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = 
 def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True) -> float:
     """Matmul FLOPs per token that the remat policy `cfg.remat` recomputes in the backward pass (see module doc)."""
     r = cfg.resolved()
-    p = _layer_matmul_params(r)
+    layers = _layers(r)
     attn_fwd = attention_flops_per_token(r, seq_len, causal=causal) / 3
     if r.remat == "none" or r.remat == "save_dots":
         return 0.0
     if r.remat == "full":
-        return 2 * r.n_layers * (p["qkv"] + p["attn_out"] + p["mlp_in"]) + attn_fwd
+        return 2 * sum(p["qkv"] + p["attn_out"] + p["mlp_in"] for p in layers) + attn_fwd
     if r.remat == "save_dots_no_batch":
         return attn_fwd
     if r.remat == "save_attn_proj":
-        return 2 * r.n_layers * p["mlp_in"] + attn_fwd
+        return 2 * sum(p["mlp_in"] for p in layers) + attn_fwd
     raise ValueError(f"no recompute count for remat policy {r.remat!r}: add it to recompute_flops_per_token")
 
 

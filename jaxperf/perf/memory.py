@@ -400,6 +400,11 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     platform = _platform(mesh, platform)
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
+    if cfg.model.n_experts:
+        # its layers' routed working set (sorted slots, capacity buffers) is not in the model above: no number beats
+        # a wrong one
+        raise ConfigError(f"the memory estimate does not model MoE layers (model.n_experts={cfg.model.n_experts}): "
+                          f"compile the step and read its memory analysis instead (jaxperf compile)")
     cfg = dataclasses.replace(cfg, model=_settled(cfg, shape, platform))
     sp = cfg.parallel.sequence_parallel and shape["tensor"] > 1
     rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)

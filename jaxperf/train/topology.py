@@ -106,7 +106,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     model_flops = flops_per_token(cfg.model, L) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
     platform = platform_of(mesh)
-    est = estimate(cfg, shape, platform=platform)
+    est = None if cfg.model.n_experts else estimate(cfg, shape, platform=platform)  # the estimate models no MoE
     choices = implementation_choices(cfg, shape, platform)
     hlo = compiled.as_text()
     if hlo_out:
@@ -131,8 +131,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
                            "total": total},
         "hbm_bytes": chip.hbm_bytes if chip else None,
         "fits": (total <= chip.hbm_bytes) if chip else None,
-        "estimated_bytes_per_chip": int(est.total),
-        "estimated_parts": est.components(),
+        "estimated_bytes_per_chip": int(est.total) if est else None,
+        "estimated_parts": est.components() if est else None,
         "flops_per_chip": flops,
         "xla_cost_analysis_flops_per_chip": xla_flops,
         "step_s_at_peak": flops / peak if peak and flops else None,
