@@ -98,6 +98,64 @@ def test_hlo_text_loops_groups_and_memory_spaces():
     assert costs.hbm_bytes == 5 * per_iter + 2 * x
 
 
+def _stacking_loop(op: str) -> str:
+    """A 12-step loop writing one [1024, 1024] bf16 layer a step into a stacked [12, 1024, 1024] buffer, by a
+    dynamic-update-slice fusion run as `op`: "fusion", or "fusion-start" + "fusion-done" as XLA:GPU runs it."""
+    if op == "fusion":
+        write = "%w = bf16[12,1024,1024]{2,1,0} fusion(%buf, %upd, %i), kind=kLoop, calls=%dus"
+    else:
+        write = ("%ws = ((bf16[12,1024,1024], bf16[1,1024,1024], s32[]), bf16[12,1024,1024], s32[]) "
+                 "fusion-start(%buf, %upd, %i), kind=kLoop, calls=%dus\n"
+                 "  %w = bf16[12,1024,1024]{2,1,0} fusion-done(%ws)")
+    return f"""HloModule m
+
+%dus (b: bf16[12,1024,1024], u: bf16[1,1024,1024], k: s32[]) -> bf16[12,1024,1024] {{
+  %b = bf16[12,1024,1024]{{2,1,0}} parameter(0)
+  %u = bf16[1,1024,1024]{{2,1,0}} parameter(1)
+  %k = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %d = bf16[12,1024,1024]{{2,1,0}} dynamic-update-slice(%b, %u, %k, %z, %z)
+}}
+
+%body (p: (s32[], bf16[12,1024,1024], bf16[1,1024,1024])) -> (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) {{
+  %p = (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %buf = bf16[12,1024,1024]{{2,1,0}} get-tuple-element(%p), index=1
+  %upd = bf16[1,1024,1024]{{2,1,0}} get-tuple-element(%p), index=2
+  {write}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) tuple(%next, %w, %upd)
+}}
+
+%cond (q: (s32[], bf16[12,1024,1024], bf16[1,1024,1024])) -> pred[] {{
+  %q = (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(12)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}}
+
+ENTRY %main (b0: bf16[12,1024,1024], u0: bf16[1,1024,1024]) -> bf16[12,1024,1024] {{
+  %b0 = bf16[12,1024,1024]{{2,1,0}} parameter(0)
+  %u0 = bf16[1,1024,1024]{{2,1,0}} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) tuple(%zero, %b0, %u0)
+  %loop = (s32[], bf16[12,1024,1024], bf16[1,1024,1024]) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[12,1024,1024]{{2,1,0}} get-tuple-element(%loop), index=1
+}}
+"""
+
+
+def test_an_async_fusion_is_charged_as_the_fusion_it_runs():
+    """XLA:GPU wraps the dynamic-update-slice that stacks a scan's per-layer arrays in fusion-start/fusion-done:
+    each step writes one layer in place (update read, update written), not the whole stacked buffer."""
+    layer = 1024 * 1024 * 2
+    sync, async_ = hlo_costs(_stacking_loop("fusion")), hlo_costs(_stacking_loop("fusion-start"))
+    per_step = 2 * layer + 4 + 3 * 4  # the update read and written, the index; the induction variable's add
+    assert sync.hbm_bytes == 12 * per_step
+    assert async_.hbm_bytes == sync.hbm_bytes
+
+
 def test_group_sizes_and_shapes():
     assert group_size("replica_groups=[2,16]<=[32]", 32) == 16
     assert group_size("replica_groups={{0,1},{2,3}}", 4) == 2

@@ -12,7 +12,8 @@ The model of memory traffic (the same one XLA's own cost analysis uses for a fus
 after fusion is one kernel that reads each of its operands from HBM once and writes its results once. Within a fusion,
 an operand that is only sliced (dynamic-slice, slice, gather) costs the bytes of the slices, and a result written by
 an in-place dynamic-update-slice costs the bytes of the update, not of the whole buffer (a scan stacking one layer's
-residuals into an [n_layers, ...] array touches one layer's worth per step). Ops that move nothing are free
+residuals into an [n_layers, ...] array touches one layer's worth per step; XLA:GPU runs such fusions async, as
+fusion-start/fusion-done, charged the same way). Ops that move nothing are free
 (parameter, constant, tuple, get-tuple-element, bitcast, the loop and call ops themselves, buffer allocations). A
 Pallas kernel is charged its operands and results once: a lower bound for kernels that re-read a block (flash
 attention reads K and V once per query block).
@@ -321,8 +322,12 @@ class _Walker:
             return 0.0
         if op == "custom-call" and "AllocateBuffer" in ins.attrs:
             return 0.0
-        if op == "fusion":
+        if op in ("fusion", "fusion-start"):
+            # XLA:GPU runs some fusions asynchronously (a dynamic-update-slice into a scan's stacked buffer, a
+            # dynamic-slice out of it): the same kernel, charged the same way
             return self._fusion_bytes(comp, ins)
+        if op.endswith("-start") and ins.attr("calls") and op.removesuffix("-start") not in COLLECTIVES:
+            return 0.0  # an async wrapper (async-start): the computation it calls is walked and charged
         if op in _SLICERS:
             return 2 * ins.bytes
         if op == "dynamic-update-slice":
@@ -369,7 +374,7 @@ class _Walker:
                     n = 1
                 self.loops.append({"name": ins.name, "trip_count": n, "multiplicity": times * n})
                 self.walk(ins.attr("body") or "", times * n, fused, depth + 1)
-            elif ins.opcode == "fusion":
+            elif ins.opcode in ("fusion", "fusion-start"):
                 self.walk(ins.attr("calls") or "", times, True, depth + 1)  # collectives only: the kernel is charged
             elif ins.opcode == "conditional":
                 m = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
