@@ -25,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import flax
 import jax
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="trace this many more steps and report device time per XLA op (jaxperf.perf.profile)")
     parser.add_argument("--analyze", action="store_true",
                         help="add the memory estimate and the step time predicted from the compiled program")
+    parser.add_argument("--hlo-out", default=None,
+                        help="write the compiled program's optimized HLO text to this file (the step prediction's "
+                             "input, to study off the device)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
 
@@ -148,6 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
             op_name = re.search(r'op_name="([^"]*)"', line)
             row.append(" ".join(x for x in (line.split("(", 1)[0][:120], kind and kind.group(1),
                                             op_name and op_name.group(1)[-160:]) if x))
+    if args.hlo_out:
+        Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.hlo_out).write_text(compiled.as_text())
+        result["hlo_out"] = args.hlo_out
     if args.analyze:
         result["analysis"] = analyze(cfg, mesh, compiled, median, live.get("peak_bytes_in_use"))
     print(json.dumps(result))

@@ -89,8 +89,8 @@ def _train_job(stage, name, preset, overrides, *, dry, timeout_s, analyze=False,
                {"preset": preset, "overrides": list(overrides), "xla_flags": flags or ""})
 
 
-def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path) -> list[Job]:
-    """The jobs of each selected stage, in order."""
+def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path, out: Path = Path("gpu_out")) -> list[Job]:
+    """The jobs of each selected stage, in order (files they write go under `out`)."""
     jobs: list[Job] = []
     for stage in stages:
         if stage == "env":
@@ -170,7 +170,7 @@ def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path) -> list
             for name, preset, overrides in (("gpt2-small_b32", "gpt2-small", ["batch_size=32"]),
                                             ("llama-1b_b8", "llama-1b", ["batch_size=8"])):
                 jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=100, analyze=True, steps=5,
-                                       extra=["--profile-steps", "3"]))
+                                       extra=["--profile-steps", "3", "--hlo-out", str(out / "hlo" / f"{name}.txt")]))
                 if dry:
                     break
     return jobs
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     junit = out / "junit.xml"
     junit.unlink(missing_ok=True)
-    jobs = plan(stages, dry=a.dry_run, full=a.full, nanogpt_dir=Path(a.nanogpt_dir))
+    jobs = plan(stages, dry=a.dry_run, full=a.full, nanogpt_dir=Path(a.nanogpt_dir), out=out)
     if a.jobs:
         keep = a.jobs.split(",")
         jobs = [j for j in jobs if j.stage == "env" or any(fnmatch.fnmatch(f"{j.stage}/{j.name}", k) for k in keep)]
