@@ -204,6 +204,11 @@ def test_a_token_file_carries_its_dtype_and_vocabulary(tmp_path):
     with pytest.raises(ValueError, match=r"made by a tokenizer of 256 ids \(byte, t.bin.json\) but the bpe tokenizer "
                                          r"has 300: train with the tokenizer that made it"):
         data.load_tokens(str(tmp_path / "t.bin"), _Vocab(300))
+    other = _Vocab(70_000)
+    other.fingerprint = "bpe-70000-retrained"  # the same size, trained on other text: another id mapping
+    with pytest.raises(ValueError, match=r"w.bin was made by the tokenizer bpe-70000 \(w.bin.json\) but the one given "
+                                         r"is bpe-70000-retrained: the same number of ids, another mapping"):
+        data.load_tokens(str(tmp_path / "w.bin"), other)
     with open(tmp_path / "t.bin", "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(ValueError, match=r"has 2002 bytes but t.bin.json records 1000 uint16 ids \(2000 bytes\)"):

@@ -12,8 +12,8 @@ kept as .npy, keyed by the file list, sizes, mtimes, tokenizer and `max_bytes`, 
 
 A token file written by `write_token_file` carries a sidecar, `train.bin.json`, with its dtype, the vocabulary size
 and name of the tokenizer that made it and the number of ids. At load the file is read in the recorded dtype (no
-suffix needed); a suffix that contradicts it, another vocabulary size or another length is a ValueError naming the
-file and both values. A file without a sidecar is checked for ids at or beyond the tokenizer's vocabulary, and a
+suffix needed); a suffix that contradicts it, another vocabulary size, another tokenizer fingerprint (the same size, another mapping)
+or another length is a ValueError naming the file and both values. A file without a sidecar is checked for ids at or beyond the tokenizer's vocabulary, and a
 sample of its start for uint32 ids read as uint16 (every second uint16 zero).
 """
 
@@ -206,6 +206,10 @@ def _check_sidecar(path: str, info: dict, dtype: np.dtype, explicit: bool, size:
         raise ValueError(f"token file {path} was made by a tokenizer of {info['vocab_size']} ids "
                          f"({info.get('tokenizer')}, {side}) but the {tokenizer.name} tokenizer has "
                          f"{tokenizer.vocab_size}: train with the tokenizer that made it")
+    made_by, given = info.get("fingerprint"), getattr(tokenizer, "fingerprint", None)
+    if made_by and given and made_by != given:
+        raise ValueError(f"token file {path} was made by the tokenizer {made_by} ({side}) but the one given is "
+                         f"{given}: the same number of ids, another mapping; train with the tokenizer that made it")
     if size != info["tokens"] * recorded.itemsize:
         raise ValueError(f"token file {path} has {size} bytes but {side} records {info['tokens']} {recorded.name} "
                          f"ids ({info['tokens'] * recorded.itemsize} bytes): it changed after it was written; write "
