@@ -1,0 +1,96 @@
+"""Expert parallelism: the experts of an MoE layer split over a mesh axis, tokens sent to their experts and back with
+all-to-all.
+
+Inside a shard_map that splits the experts over `axis` (n shards of E / n experts each) and the tokens over every
+data-parallel axis, each device routes its own tokens, then:
+
+    plan = send_plan(experts_S, n, E // n)                      # where each of its token slots goes
+    rows_x, rows_e = dispatch(x_SxD, plan, axis)                # all-to-all: the slots each device's experts take
+    rows_y = grouped(rows_x, rows_e)                            # its experts on them (local expert ids, E/n = none)
+    y_SxD = combine(rows_y, plan, axis)                         # all-to-all back: every slot's output, in slot order
+
+A device sends each other device one block of `plan.rows` rows. Dropless (`capacity=None`), a block has room for all
+of the sender's S slots, whatever the routing: nothing is dropped, at the price of n x S rows of buffer per device
+(the dense all-to-all the CPU runs; a ragged all-to-all would send only the rows routed, and XLA:CPU has none). With a
+capacity C per expert (GShard) a block holds E/n x C rows, slot rank within its expert decides who is dropped (every
+token's first choice before any token's second), and a dropped slot's output is zero: the residual carries the token.
+
+Legend: S token slots (tokens x experts per token), D embed, n shards on the expert axis, R rows a device receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SendPlan:
+    """Where each token slot goes: device `dest_S`, row `row_S` of the block sent there, `keep_S` False for a slot
+    dropped by the capacity; `local_expert_S` the expert's index on its device; `rows` per block; `experts_per_shard`
+    (also the local id of an empty row)."""
+
+    dest_S: jax.Array
+    row_S: jax.Array
+    keep_S: jax.Array
+    local_expert_S: jax.Array
+    rows: int
+    experts_per_shard: int
+
+
+def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, capacity: int | None = None,
+              priority_S: jax.Array | None = None) -> SendPlan:
+    """The plan for slots routed to global experts `experts_S` [S] (expert e lives on device e // experts_per_shard).
+
+    Dropless (`capacity` None): a slot's row is its rank among the slots sent to the same device, ordered by expert,
+    so each expert's rows are contiguous. With `capacity` C: row = local expert x C + the slot's rank within its
+    expert in `priority_S` order (default: slot order); ranks >= C are dropped.
+    """
+    S = experts_S.shape[0]
+    dest_S = experts_S // experts_per_shard
+    local_S = experts_S % experts_per_shard
+    if capacity is None:
+        order_S = jnp.argsort(experts_S, stable=True)
+        rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(jnp.arange(S, dtype=jnp.int32))  # place in expert order
+        start_N = jnp.cumsum(jnp.bincount(dest_S, length=n_shards)) - jnp.bincount(dest_S, length=n_shards)
+        row_S = rank_S - start_N[dest_S].astype(jnp.int32)
+        return SendPlan(dest_S, row_S, jnp.ones(S, bool), local_S, S, experts_per_shard)
+    order_S = jnp.arange(S) if priority_S is None else priority_S
+    by_priority = experts_S[order_S]
+    onehot = jax.nn.one_hot(by_priority, n_shards * experts_per_shard, dtype=jnp.int32)
+    rank_by_priority = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
+    rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(rank_by_priority.astype(jnp.int32))
+    keep_S = rank_S < capacity
+    row_S = local_S * capacity + jnp.minimum(rank_S, capacity - 1)
+    return SendPlan(dest_S, row_S, keep_S, local_S, experts_per_shard * capacity, experts_per_shard)
+
+
+def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, jax.Array]:
+    """All-to-all over `axis`: (rows [n x rows, D] this device's experts take, their local expert ids [n x rows],
+    `experts_per_shard` for an empty row). Block i of the result came from device i."""
+    n = jax.lax.axis_size(axis)
+    D = x_SxD.shape[-1]
+    # a dropped slot is written nowhere: its (dest, row) is pointed out of the buffer and the scatter drops it
+    dest_S = jnp.where(plan.keep_S, plan.dest_S, n)
+    send_x = jnp.zeros((n, plan.rows, D), x_SxD.dtype).at[dest_S, plan.row_S].set(x_SxD, mode="drop")
+    send_e = jnp.full((n, plan.rows), plan.experts_per_shard, jnp.int32).at[dest_S, plan.row_S].set(plan.local_expert_S, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)
+    recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True)
+    return recv_x.reshape(n * plan.rows, D), recv_e.reshape(n * plan.rows)
+
+
+def combine(rows_y: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
+    """All-to-all back over `axis`: every slot's output [S, D] in slot order, zero for a dropped slot."""
+    n = jax.lax.axis_size(axis)
+    back = jax.lax.all_to_all(rows_y.reshape(n, plan.rows, -1), axis, 0, 0, tiled=True)
+    y_SxD = back[plan.dest_S, plan.row_S]
+    return jnp.where(plan.keep_S[:, None], y_SxD, jnp.zeros((), y_SxD.dtype))
+
+
+def group_rows(rows_e: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Array]:
+    """(order that sorts rows by group, group sizes [n_groups]) for rows with group ids in [0, n_groups]; id n_groups
+    (an empty row) sorts last and is in no group, so a grouped matmul leaves it zero."""
+    order = jnp.argsort(rows_e, stable=True)
+    return order, jnp.bincount(rows_e, length=n_groups + 1)[:n_groups].astype(jnp.int32)
