@@ -1,0 +1,231 @@
+"""The mixture-of-experts MLP (jaxperf.models.moe): both dispatch paths against a per-expert loop, the capacity rule
+on constructed routings, the router losses against their formulas, training, refusals, FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
+from jaxperf.models.gpt import GPT
+from jaxperf.models.moe import MoE, load_balancing_loss, router_z_loss
+from jaxperf.perf.flops import matmul_params
+from jaxperf.perf.memory import estimate
+from helpers import fixed_batch, flat, make_task
+
+
+def _moe(**kw) -> MoE:
+    base = dict(d_model=16, n_heads=2, n_layers=2, mlp_dim=24, n_experts=4, experts_per_token=2, init_std=0.3)
+    return MoE(ModelConfig(**{**base, **kw}).resolved(), rngs=nnx.Rngs(0))
+
+
+def _reference(moe: MoE, x_BxLxD, kept_TxE=None):
+    """The MoE output by a plain loop over experts: each expert's MLP on every token, added with the token's
+    renormalised top-k weight where the token chose it (and `kept_TxE` keeps it)."""
+    B, L, D = x_BxLxD.shape
+    x = x_BxLxD.reshape(B * L, D).astype(jnp.float32)
+    logits = x @ moe.router_DxE[...]
+    scores = jax.nn.softmax(logits, axis=-1) if moe.router == "softmax" else jax.nn.sigmoid(logits)
+    kth = jnp.sort(scores, axis=-1)[:, -moe.k][:, None]
+    chosen_TxE = scores >= kth
+    if kept_TxE is not None:
+        chosen_TxE = chosen_TxE & kept_TxE
+    norm_T = jnp.sum(jnp.where(scores >= kth, scores, 0.0), axis=-1)
+    y = jnp.zeros_like(x)
+    for e in range(scores.shape[1]):
+        h = x @ moe.w_in_ExDxF[e]
+        if moe.bias_in_ExF is not None:
+            h = h + moe.bias_in_ExF[e][None]
+        if moe.act == "swiglu":
+            h = jax.nn.silu(x @ moe.w_gate_ExDxF[e]) * h
+        else:
+            h = jax.nn.gelu(h, approximate=True)
+        out = h @ moe.w_out_ExFxD[e]
+        if moe.bias_out_ExD is not None:
+            out = out + moe.bias_out_ExD[e][None]
+        y = y + jnp.where(chosen_TxE[:, e], scores[:, e] / norm_T, 0.0)[:, None] * out
+    y = y.reshape(B, L, D)
+    if moe.shared is not None:
+        y = y + moe.shared(x_BxLxD)
+    return y
+
+
+def _grads(fn, moe, x):
+    """Gradients of <fn(moe, x), a fixed cotangent> with respect to the parameters and x."""
+    graphdef, state = nnx.split(moe)
+    ct = jax.random.normal(jax.random.key(7), x.shape)
+
+    def f(st, x):
+        return jnp.sum(fn(nnx.merge(graphdef, st), x) * ct)
+
+    g_state, g_x = jax.grad(f, argnums=(0, 1))(state, x)
+    return flat(nnx.to_pure_dict(g_state)), g_x
+
+
+def _out(moe, x):
+    return moe(x)[0]
+
+
+@pytest.mark.parametrize("router,style,shared", [("softmax", "gpt2", 0), ("sigmoid", "gpt2", 0),
+                                                 ("softmax", "llama", 1), ("sigmoid", "llama", 2)])
+def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared):
+    moe = _moe(router=router, style=style, n_shared_experts=shared)
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    np.testing.assert_allclose(_out(moe, x), _reference(moe, x), rtol=1e-5, atol=1e-5)
+    got, got_x = _grads(_out, moe, x)
+    want, want_x = _grads(_reference, moe, x)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-5)
+    assert set(got) == set(want)
+    for k in got:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+def _routed(moe: MoE, first_second):
+    """Tokens that are basis vectors of the embedding, and a router that sends basis vector j to the experts
+    first_second[j] = (first choice, second choice), with softmax weights e^4 : e^2 between the two."""
+    D, E = moe.router_DxE.shape
+    router = np.full((D, E), -4.0, np.float32)
+    for j, (a, b) in enumerate(first_second):
+        router[j, a], router[j, b] = 4.0, 2.0
+    moe.router_DxE[...] = jnp.asarray(router)
+
+
+def test_capacity_drops_exactly_the_overflow_and_zeroes_those_tokens():
+    # k=1, 8 tokens, 4 experts, capacity ceil(1.0 * 8 / 4) = 2: tokens 0-5 choose expert 0, 6-7 expert 1. Expert 0
+    # keeps the first two of its six (tokens 0 and 1); tokens 2-5 are dropped, half of all slots.
+    moe = _moe(experts_per_token=1, capacity_factor=1.0)
+    _routed(moe, [(0, 1), (1, 0)])
+    x = jnp.zeros((1, 8, 16)).at[0, jnp.arange(8), jnp.array([0] * 6 + [1] * 2)].set(1.0)
+    y, stats = moe(x)
+    assert float(stats["dropped"]) == 0.5
+    kept = np.array([1, 1, 0, 0, 0, 0, 1, 1], bool)
+    np.testing.assert_array_equal(np.asarray(y[0, ~kept]), 0.0)
+    assert np.all(np.abs(np.asarray(y[0, kept])).sum(-1) > 0)
+    np.testing.assert_allclose(y[0, kept], _reference(moe, x)[0, kept], rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_serves_every_first_choice_before_any_second_choice():
+    # k=2, 8 tokens alternating between (first 0, second 1) and (first 1, second 0); capacity ceil(8 * 2 / 4) = 4.
+    # First choices fill experts 0 and 1 exactly, so every second choice is dropped: each token keeps only its first
+    # expert (weighted e^4 / (e^4 + e^2), as renormalised over the two it chose). A token-major order would instead
+    # drop the first choices of tokens 4-7.
+    moe = _moe(capacity_factor=1.0)
+    _routed(moe, [(0, 1), (1, 0)])
+    x = jnp.zeros((1, 8, 16)).at[0, jnp.arange(8), jnp.arange(8) % 2].set(1.0)
+    y, stats = moe(x)
+    assert float(stats["dropped"]) == 0.5
+    first = jax.nn.one_hot(jnp.arange(8) % 2, 4, dtype=bool)
+    np.testing.assert_allclose(y, _reference(moe, x, kept_TxE=first), rtol=1e-5, atol=1e-6)
+
+
+def test_a_capacity_that_holds_every_slot_equals_dropless():
+    x = jax.random.normal(jax.random.key(2), (2, 6, 16))
+    dropless, capped = _moe(style="llama"), _moe(style="llama", capacity_factor=4.0)  # C = T * k: nothing dropped
+    y, stats = capped(x)
+    assert float(stats["dropped"]) == 0.0
+    np.testing.assert_allclose(y, _out(dropless, x), rtol=1e-5, atol=1e-6)
+    got, got_x = _grads(_out, capped, x)
+    want, want_x = _grads(_out, dropless, x)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-6, err_msg=k)
+
+
+def test_balance_loss_and_z_loss_match_their_formulas():
+    E, T = 4, 8
+    uniform = jnp.full((T, E), 1.0 / E)
+    spread = jnp.stack([jnp.arange(T) % E, (jnp.arange(T) + 1) % E], axis=1)  # every expert gets 4 of 16 slots
+    assert float(load_balancing_loss(uniform, spread)) == pytest.approx(1.0, rel=1e-6)
+    collapsed = jax.nn.one_hot(jnp.zeros(T, jnp.int32), E)
+    assert float(load_balancing_loss(collapsed, jnp.zeros((T, 1), jnp.int32))) == pytest.approx(E, rel=1e-6)
+    # a lopsided case by hand: f = (3/4, 1/4), P = (0.6, 0.4): 2 * (0.45 + 0.1) = 1.1
+    probs = jnp.array([[0.6, 0.4]] * 4)
+    assert float(load_balancing_loss(probs, jnp.array([[0], [0], [0], [1]]))) == pytest.approx(1.1, rel=1e-6)
+    logits = jnp.array([[0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0]])
+    lse = np.log(np.exp([0.0] * 4).sum()), np.log(np.exp([1.0, 2.0, 3.0, 4.0]).sum())
+    assert float(router_z_loss(logits)) == pytest.approx((lse[0] ** 2 + lse[1] ** 2) / 2, rel=1e-6)
+
+
+def test_moe_tiny_trains_on_one_device_and_reports_its_router_metrics():
+    cfg = get_config("moe-tiny")
+    one = ParallelConfig(strategy="dp", data=1, fsdp=1)
+    batch = fixed_batch(batch=4, seq=64)
+    task = make_task(cfg.model, one, optim=dataclasses.replace(cfg.optim, warmup_steps=0), devices=jax.devices()[:1])
+    step, state = task.train_step(), task.init_state()
+    losses, metrics = [], []
+    for _ in range(4):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+        metrics.append(m)
+    assert losses[-1] < losses[0] - 0.2, losses
+    assert 0.9 < float(m["moe_aux_loss"]) < 2.0 and float(m["moe_z_loss"]) > 0, m
+    assert float(m["moe_dropped_fraction"]) == 0.0
+    # Two microbatches of the same batch: the z-loss is a mean over tokens, so its weighted average over the
+    # microbatches is the whole batch's
+    m1 = metrics[0]
+    _, m2 = task.train_step(microbatches=2)(task.init_state(), batch)
+    np.testing.assert_allclose(float(m2["moe_z_loss"]), float(m1["moe_z_loss"]), rtol=1e-5)
+    np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-3)
+
+
+def test_mixed_layers_in_a_python_loop_with_remat_and_capacity():
+    model = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, n_experts=4, moe_every=2,
+                        scan_layers=False, remat="full", capacity_factor=1.0, style="llama", n_shared_experts=1,
+                        moe_mlp_dim=48)
+    task = make_task(model, ParallelConfig(strategy="dp", data=1, fsdp=1), devices=jax.devices()[:1])
+    blocks = task.abstract_params["blocks"]
+    assert "router_DxE" not in blocks[0]["mlp"] and "router_DxE" in blocks[1]["mlp"]  # layer 1 is MoE, 0 dense
+    assert blocks[1]["mlp"]["w_gate_ExDxF"].shape == (4, 32, 48)
+    _, m = task.train_step()(task.init_state(), fixed_batch(batch=2, seq=32))
+    assert np.isfinite(float(m["loss"])) and 0.0 <= float(m["moe_dropped_fraction"]) < 1.0, m
+
+
+def test_the_kv_cache_forward_matches_the_full_forward():
+    model = GPT(ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, n_experts=4, init_std=0.2),
+                rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, 256)
+    full = model.hidden(tokens)
+    assert model.pop_moe_stats() and not model.pop_moe_stats()  # taken once, not left behind
+    k, v = model.init_cache(2, 16)
+    cached, _, _ = model.cached(tokens, jnp.broadcast_to(jnp.arange(9), (2, 9)), k, v)
+    np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["n_experts=4", "experts_per_token=5"], r"model.experts_per_token=5 is more than model.n_experts=4: use "
+                                             r"experts_per_token <= 4"),
+    (["n_experts=-1"], r"model.n_experts=-1 must be at least 0"),
+    (["n_experts=4", "capacity_factor=-0.5"], r"model.capacity_factor=-0.5 must be at least 0"),
+    (["n_experts=4", "moe_every=2"], r"model.moe_every=2 mixes dense and MoE layers.*scan_layers=false"),
+    (["n_shared_experts=1"], r"model.n_shared_experts=1 needs model.n_experts > 0"),
+    (["n_experts=4", "flavour=shard_map"], r"model.n_experts=4 \(MoE\) runs with parallel.flavour=jit"),
+])
+def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        validate(get_config("tiny", overrides), 8)
+    assert "\n" not in str(e.value)
+
+
+def test_an_unknown_router_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"unknown model.router 'topk'; choose one of softmax, sigmoid") as e:
+        get_config("moe-tiny", ["router=topk"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"model.router='topk' is not one of \('softmax', 'sigmoid'\)"):
+        validate(dataclasses.replace(get_config("moe-tiny"), model=ModelConfig(n_experts=2, router="topk")), 8)
+
+
+def test_flops_count_the_active_experts_and_the_memory_estimate_says_it_cannot():
+    tiny, moe = get_config("tiny").model, get_config("moe-tiny").model
+    # moe-tiny's two routed experts of 256 match tiny's 512-wide MLP: the router's D x E is all that is added
+    assert matmul_params(moe) - matmul_params(tiny) == 4 * 128 * 8
+    wider = dataclasses.replace(moe, experts_per_token=4, n_shared_experts=1)  # 5 experts of 256 per token
+    assert matmul_params(wider) - matmul_params(moe) == 4 * 3 * (2 * 128 * 256)
+    mixed = dataclasses.replace(moe, moe_every=2, scan_layers=False)  # layers 1 and 3 MoE, 0 and 2 dense
+    assert matmul_params(mixed) - matmul_params(tiny) == 2 * 128 * 8
+    with pytest.raises(ConfigError, match=r"the memory estimate does not model MoE layers \(model.n_experts=8\)"):
+        estimate(get_config("moe-tiny"), 1, platform="gpu")
