@@ -173,6 +173,19 @@ def test_moe_tiny_trains_on_one_device_and_reports_its_router_metrics():
     np.testing.assert_allclose(float(m2["loss"]), float(m1["loss"]), rtol=1e-3)
 
 
+def test_the_train_loss_is_the_cross_entropy_plus_the_weighted_router_losses():
+    cfg = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, n_experts=4, router_aux_loss_coef=0.5,
+                      router_z_loss_coef=0.25)
+    batch = fixed_batch(batch=2, seq=16)
+    loss, aux = GPT(cfg, rngs=nnx.Rngs(0)).next_token_loss(batch)
+    ce, ce_aux = GPT(dataclasses.replace(cfg, router_aux_loss_coef=0.0, router_z_loss_coef=0.0),
+                     rngs=nnx.Rngs(0)).next_token_loss(batch)
+    m = aux["metrics"]
+    np.testing.assert_allclose(float(loss), float(ce) + 0.5 * float(m["moe_aux_loss"]) + 0.25 * float(m["moe_z_loss"]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(float(ce_aux["metrics"]["moe_aux_loss"]), float(m["moe_aux_loss"]), rtol=1e-6)
+
+
 def test_mixed_layers_in_a_python_loop_with_remat_and_capacity():
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, n_experts=4, moe_every=2,
                         scan_layers=False, remat="full", capacity_factor=1.0, style="llama", n_shared_experts=1,
