@@ -147,9 +147,9 @@ def test_parallel_tiny_times_each_kind_of_pair(tmp_path):
     assert 0 < one_f_one_b["value"] < gpipe["value"] and one_f_one_b["ratio_1f1b_to_gpipe"] < 1
     assert one_f_one_b["value"] == by_name["jit/stage2-1f1b"]["temp_bytes"]
     recs = [r for r in recs if r["unit"] == "tokens/s"]
-    assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 2}
+    assert by_name["jit/fsdp_tp"]["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "seq": 1, "tensor": 2}
     assert by_name["jit/tp"]["mesh"] == by_name["shard_map/tp"]["mesh"] == \
-        {"data": 2, "stage": 1, "fsdp": 1, "seq": 1, "tensor": 4}
+        {"data": 2, "stage": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 4}
     losses = {r["loss"] for r in recs}
     assert max(losses) - min(losses) < 1e-3 * max(losses)  # the same first step, however it is written
     for r in recs:

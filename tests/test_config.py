@@ -41,7 +41,8 @@ def test_wrong_type_names_key_and_type():
 
 def test_batch_not_divisible_by_data_parallel():
     cfg = get_config("tiny", ["batch_size=12", "parallel.fsdp=8"])
-    with pytest.raises(ConfigError, match=r"12.*not divisible by the data-parallel size data\*fsdp=1\*8=8.*batch_size=16"):
+    with pytest.raises(ConfigError, match=r"12.*not divisible by the data-parallel size "
+                                          r"data\*fsdp\*expert=1\*8\*1=8.*batch_size=16"):
         validate(cfg, 8)
 
 
@@ -58,13 +59,13 @@ def test_heads_kv_heads_mlp_not_divisible_by_tensor():
 
 
 def test_mesh_larger_than_devices():
-    with pytest.raises(ConfigError, match=r"data\*stage\*fsdp\*seq\*tensor = 2\*1\*4\*1\*2 = 16 is larger than the 8 "
-                                          r"available devices"):
+    with pytest.raises(ConfigError, match=r"data\*stage\*fsdp\*expert\*seq\*tensor = 2\*1\*4\*1\*1\*2 = 16 is larger "
+                                          r"than the 8 available devices"):
         mesh_shape(ParallelConfig(data=2, fsdp=4, tensor=2), 8)
     with pytest.raises(ConfigError, match="does not divide the 8 devices"):
         mesh_shape(ParallelConfig(data=3, fsdp=-1), 8)
-    assert mesh_shape(ParallelConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "stage": 1, "fsdp": 2, "seq": 1,
-                                                                        "tensor": 2}
+    assert mesh_shape(ParallelConfig(data=2, fsdp=-1, tensor=2), 8) == {"data": 2, "stage": 1, "fsdp": 2, "expert": 1,
+                                                                        "seq": 1, "tensor": 2}
 
 
 def test_seq_len_above_model_max():

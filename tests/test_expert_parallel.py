@@ -4,6 +4,8 @@ dropped."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from helpers import flat, make_task, random_batches
 from jaxperf import _compat
+from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
 from jaxperf.parallel import expert as ep
 
 N, E, S, D = 4, 8, 12, 3  # devices on the expert axis, experts, slots per device, width
@@ -72,3 +76,78 @@ def test_group_rows_sorts_by_expert_and_leaves_empty_rows_out():
     order, sizes = ep.group_rows(jnp.array([2, 0, 4, 1, 0, 4], jnp.int32), 4)
     np.testing.assert_array_equal(np.asarray(sizes), [2, 1, 1, 0])
     np.testing.assert_array_equal(np.asarray(order)[:4], [1, 4, 3, 0])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The MoE train step with its experts split over the mesh's expert axis, against one device
+
+MOE = ModelConfig(d_model=64, n_layers=2, n_heads=8, max_seq_len=32, n_experts=8, experts_per_token=2)
+BATCH, SEQ = 16, 32
+EP_MESHES = {  # mesh, strategy
+    "expert4_data2": (dict(data=2, fsdp=1, expert=4), "dp"),
+    "expert2_fsdp2_tensor2": (dict(data=1, fsdp=2, expert=2, tensor=2), "fsdp_tp"),
+}
+# Shard shapes of the stacked experts [layers, E, D, F] / [layers, E, F, D] and the router [layers, D, E]: the expert
+# dim over `expert`, embed over fsdp, the expert's hidden dim over tensor; the router's expert dim never splits.
+EXPERT_SHARDS = {
+    "expert4_data2": {"w_in_ExDxF": (2, 2, 64, 256), "w_out_ExFxD": (2, 2, 256, 64), "router_DxE": (2, 64, 8)},
+    "expert2_fsdp2_tensor2": {"w_in_ExDxF": (2, 4, 32, 128), "w_out_ExFxD": (2, 4, 128, 32),
+                              "router_DxE": (2, 32, 8)},
+}
+
+
+def _train(model, mesh_kw, strategy, devices=None, n_steps=2):
+    optim = OptimConfig(lr=1e-3, warmup_steps=0, eps=1e-3)
+    task = make_task(model, ParallelConfig(strategy=strategy, **mesh_kw), optim=optim, devices=devices)
+    state, step = task.init_state(), task.train_step()
+    metrics = []
+    for batch in random_batches(n_steps, batch=BATCH, seq=SEQ, keep=0.9):
+        state, m = step(state, jax.device_put(batch, task.batch_sharding()))
+        metrics.append({k: float(m[k]) for k in ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction")})
+    return state, metrics
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train(MOE, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", list(EP_MESHES))
+def test_the_expert_parallel_step_equals_one_device(name, one_device):
+    mesh_kw, strategy = EP_MESHES[name]
+    state, metrics = _train(MOE, mesh_kw, strategy)
+    ref_state, ref_metrics = one_device
+    for got, want in zip(metrics, ref_metrics):
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-7, err_msg=f"{name}: {k}")
+    ref = flat(ref_state.params)
+    for path, leaf in flat(state.params).items():
+        np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=f"{name}: {path}")
+    for path, leaf in flat(state.params).items():
+        key = path.rsplit("/", 1)[-1]
+        if key in EXPERT_SHARDS[name]:
+            assert leaf.addressable_shards[0].data.shape == EXPERT_SHARDS[name][key], (name, path)
+
+
+def test_the_capacity_path_splits_over_experts_and_counts_what_it_drops():
+    """With room for every slot it equals dropless; with little room it drops, and says how much."""
+    roomy = dataclasses.replace(MOE, capacity_factor=8.0)
+    _, dropless = _train(MOE, *EP_MESHES["expert4_data2"], n_steps=1)
+    _, full = _train(roomy, *EP_MESHES["expert4_data2"], n_steps=1)
+    np.testing.assert_allclose(full[0]["loss"], dropless[0]["loss"], rtol=1e-6)
+    assert full[0]["moe_dropped_fraction"] == 0.0
+    _, tight = _train(dataclasses.replace(MOE, capacity_factor=0.5), *EP_MESHES["expert4_data2"], n_steps=1)
+    assert 0.5 <= tight[0]["moe_dropped_fraction"] < 1.0  # at most half the slots fit
+
+
+@pytest.mark.parametrize("model,parallel,match", [
+    (ModelConfig(d_model=64, n_layers=2, n_heads=8), dict(expert=2, fsdp=4),
+     r"^parallel.expert=2 splits the experts over 2 devices but model.n_experts=0: set parallel.expert=1"),
+    (dataclasses.replace(MOE, n_experts=6), dict(expert=4, fsdp=2),
+     r"model.n_experts=6: use an expert count that is a multiple of 4$"),
+    (MOE, dict(expert=4, fsdp=2, flavour="shard_map"), r"runs with parallel.flavour=jit"),
+])
+def test_expert_parallel_refusals_come_before_compiling(model, parallel, match):
+    cfg = TrainConfig(model=model, parallel=ParallelConfig(**parallel), batch_size=16)
+    with pytest.raises(ConfigError, match=match):
+        validate(cfg, 8)

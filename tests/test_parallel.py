@@ -140,9 +140,9 @@ def test_activation_constraints_follow_rules():
 
 def test_dcn_data_multiplies_the_data_axis_and_needs_real_slices():
     assert mesh_shape(ParallelConfig(fsdp=-1, dcn_data=2), 8) == \
-        {"data": 2, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}
+        {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "seq": 1, "tensor": 1}
     assert mesh_shape(ParallelConfig(strategy="fsdp_tp", fsdp=-1, tensor=2, dcn_data=4), 16) == \
-        {"data": 4, "stage": 1, "fsdp": 2, "seq": 1, "tensor": 2}
+        {"data": 4, "stage": 1, "fsdp": 2, "expert": 1, "seq": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="dcn_data=3 slices do not split the 8 devices"):
         mesh_shape(ParallelConfig(dcn_data=3), 8)
     with pytest.raises(ConfigError, match="must be >= 1"):

@@ -36,7 +36,7 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     fsdp = _compile(["--topology", "v5p:2x2x1", "--json", *common], libtpu=True)
     assert fsdp.returncode == 0, fsdp.stderr[-3000:]
     r = json.loads(fsdp.stdout.strip().splitlines()[-1])
-    assert r["chips"] == 4 and r["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}
+    assert r["chips"] == 4 and r["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "seq": 1, "tensor": 1}
     assert "v5" in r["device_kind"].lower() and r["hbm_bytes"] == 95 * 2**30 and r["fits"] is True
     b = r["bytes_per_chip"]
     assert 0 < b["arguments"] and 0 < b["temp"] and b["total"] < r["hbm_bytes"]
@@ -63,7 +63,7 @@ def test_compile_for_two_slices_keeps_fsdp_inside_a_slice():
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["chips"] == 8 and r["slices"] == 2
-    assert r["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}
+    assert r["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "seq": 1, "tensor": 1}
     assert r["slices_per_data_index"] == [[0], [1]]  # each fsdp group is one slice; only data crosses DCN
 
 
@@ -155,7 +155,7 @@ def _compile_preset(preset: str, strategy: str, flavour: str):
     cfg = get_config(preset, {"model.n_layers": 2, "batch_size": 8, "seq_len": 128, "parallel.strategy": strategy,
                               "parallel.flavour": flavour, **MESHES[strategy]})
     r = compile_for_topology(cfg, "v5p:2x2x1")
-    want = {"data": 1, "stage": 1, "fsdp": 1, "seq": 1, "tensor": 1}
+    want = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1}
     want.update({k.split(".")[1]: v for k, v in MESHES[strategy].items()})
     assert r["chips"] == 4 and r["mesh"] == want and r["flavour"] == flavour, r
     b = r["bytes_per_chip"]

@@ -148,8 +148,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The device mesh (axes data x stage x fsdp x seq x tensor; one may be -1 = the rest of the devices) and the
-    sharding strategy. `stage` and `seq` work with every strategy (jaxperf.parallel.rules adds their mappings)."""
+    """The device mesh (axes data x stage x fsdp x expert x seq x tensor; one may be -1 = the rest of the devices)
+    and the sharding strategy. `stage`, `expert` and `seq` work with every strategy (jaxperf.parallel.rules adds their
+    mappings)."""
 
     strategy: Strategy = "fsdp"  # rule table for weights and activations (jaxperf.parallel.rules)
     data: int = 1  # data parallel: whole replicas
@@ -157,6 +158,9 @@ class ParallelConfig:
     tensor: int = 1  # tensor parallel (Megatron): heads and MLP columns split
     stage: int = 1  # pipeline parallel: the layers split into this many stages
     seq: int = 1  # context parallel: the sequence split, attention as a ring over this axis
+    # expert parallel (MoE): each device holds n_experts / expert of every MoE layer's experts, tokens reach them by
+    # all-to-all; outside the experts the axis splits the batch like data
+    expert: int = 1
     schedule: PipelineSchedule = "1f1b"  # pipeline schedule when stage > 1 (microbatches = TrainConfig.microbatches)
     context_layout: ContextLayout = "zigzag"  # seq > 1: zigzag balances causal work; contiguous keeps token order
     # tensor > 1: also split the activations between layers along the sequence over `tensor` (Megatron-SP), with

@@ -12,8 +12,9 @@ from jaxperf.config.schema import (
 )
 
 # Slowest-varying first: `data` spans slices and hosts, `tensor` the closest devices (its collectives are the most
-# frequent); `stage` sends activations point to point, `seq` rotates key/value blocks around a ring.
-MESH_AXES = ("data", "stage", "fsdp", "seq", "tensor")
+# frequent); `stage` sends activations point to point, `expert` exchanges tokens all-to-all in every MoE layer, `seq`
+# rotates key/value blocks around a ring.
+MESH_AXES = ("data", "stage", "fsdp", "expert", "seq", "tensor")
 
 
 def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
@@ -164,7 +165,7 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
             f"the mesh {'*'.join(MESH_AXES)} = {'*'.join(str(shape[a]) for a in MESH_AXES)} = {used} uses {used} of "
             f"the {num_devices} devices, leaving {num_devices - used} idle: set one axis to -1 (the rest of the devices) "
             f"or make the product {num_devices}")
-    dp = shape["data"] * shape["fsdp"]
+    dp = shape["data"] * shape["fsdp"] * shape["expert"]  # the expert axis splits the batch outside the experts too
     if cfg.microbatches < 1 or cfg.batch_size % cfg.microbatches:
         raise ConfigError(
             f"batch_size={cfg.batch_size} is not divisible by microbatches={cfg.microbatches}: pick a batch size that "
@@ -174,7 +175,8 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
     if micro % dp:
         raise ConfigError(
             f"the global batch per microbatch ({cfg.batch_size}/{cfg.microbatches}={micro}) is not divisible by the "
-            f"data-parallel size data*fsdp={shape['data']}*{shape['fsdp']}={dp}: use batch_size="
+            f"data-parallel size data*fsdp*expert={shape['data']}*{shape['fsdp']}*{shape['expert']}={dp}: use "
+            f"batch_size="
             f"{cfg.microbatches * dp * max(1, round(micro / dp))} or change the mesh"
         )
     _validate_stage_seq(cfg, shape)
@@ -196,6 +198,11 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
         if not m.scan_layers:
             raise ConfigError("parallel.stage > 1 needs model.scan_layers=true (the pipeline splits the stacked "
                               "layers over the stages)")
+    if shape["expert"] > 1 and (not m.n_experts or m.n_experts % shape["expert"]):
+        raise ConfigError(f"parallel.expert={shape['expert']} splits the experts over {shape['expert']} devices but "
+                          f"model.n_experts={m.n_experts}: "
+                          + (f"use an expert count that is a multiple of {shape['expert']}" if m.n_experts else
+                             "set parallel.expert=1 for a dense model (or give it experts)"))
     if m.n_experts and (shape["stage"] > 1 or cfg.parallel.flavour != "jit"):
         what = f"parallel.stage={shape['stage']}" if shape["stage"] > 1 else f"parallel.flavour={cfg.parallel.flavour}"
         raise ConfigError(f"model.n_experts={m.n_experts} (MoE) runs with parallel.flavour=jit and parallel.stage=1, "

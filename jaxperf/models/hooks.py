@@ -44,6 +44,15 @@ class ContextSpec:
 
 
 @dataclass(frozen=True)
+class ExpertSpec:
+    """MoE layers run their experts split over mesh axis `axis` of `mesh` (expert parallelism), tokens sent to them
+    and back by all-to-all (jaxperf.parallel.expert)."""
+
+    mesh: Any
+    axis: str = "expert"
+
+
+@dataclass(frozen=True)
 class LayerHooks:
     """Callbacks a step installs on a model (the identity by default).
 
@@ -55,6 +64,7 @@ class LayerHooks:
     context: when set, attention runs as a ring over the sequence split (context parallelism).
     sequence_parallel: when set (to the mesh), the column- and row-parallel matmuls gather and scatter the sequence
       over `tensor` with collective matmuls (jaxperf.parallel.collective_matmul).
+    experts: when set, MoE layers run expert parallel over its mesh axis.
     """
 
     layer_params: Callable[[Any], Any] = _identity
@@ -62,6 +72,7 @@ class LayerHooks:
     pipeline: PipelineSpec | None = None
     context: ContextSpec | None = None
     sequence_parallel: Any = None  # the mesh, when activations between layers are split over `tensor` (Megatron-SP)
+    experts: ExpertSpec | None = None
 
 
 DEFAULT_HOOKS = LayerHooks()

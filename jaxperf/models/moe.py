@@ -13,9 +13,13 @@ normalised over the k (DeepSeek-V3). Two ways to run the experts:
                                         dense [E, C, D] buffer; the slots past C are dropped (their MoE output is zero,
                                         the residual carries the token) and counted
 
-Expert weights are stacked arrays with a leading `expert` axis (`w_in_ExDxF`...), so a rule table can shard them over
-an expert mesh axis; no rule names `expert` yet, so they are replicated over it. Shared experts (`n_shared_experts`,
-DeepSeek) are one dense MLP of width n_shared_experts * moe_mlp_dim added to every token's routed output.
+Expert weights are stacked arrays with a leading `expert` axis (`w_in_ExDxF`...). On a mesh with an `expert` axis
+(`parallel.expert` > 1) the rule tables split them over it and the step installs `hooks.experts`: each device then
+routes its own tokens, sends every token slot to the device that holds its expert and gets the outputs back by
+all-to-all (jaxperf.parallel.expert), dropless or with a capacity per expert counted within each device's tokens (a
+GShard group); the router losses average over the whole batch, as on one device. Shared experts
+(`n_shared_experts`, DeepSeek) are one dense MLP of width n_shared_experts * moe_mlp_dim added to every token's
+routed output.
 
 Legend: B batch, L length, D embed, T tokens (B * L), E experts, K experts per token, S token slots (T * K),
 F one expert's hidden width, C expert capacity.
@@ -31,8 +35,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jax.sharding import PartitionSpec as P
+
+from jaxperf import _compat
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.layers import MLP, _param, _zeros
+from jaxperf.parallel import expert as ep
+from jaxperf.parallel.rules import activation_spec
 
 STATS = ("aux_loss", "z_loss", "dropped")  # what every MoE layer reports, each an fp32 scalar
 
@@ -73,14 +82,19 @@ def route(logits_TxE: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Ar
     return weights_TxK, experts_TxK.astype(jnp.int32), probs
 
 
+def balance_shares(probs_TxE: jax.Array, experts_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(f [E], P [E]): the share of the T * K token slots routed to each expert, and its mean router probability."""
+    E = probs_TxE.shape[-1]
+    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
+    return f_E, jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
+
+
 def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Array:
     """E * sum_e f_e * P_e (Switch Transformer): f_e the share of the T * K token slots routed to expert e, P_e the
     mean router probability of e. 1 when routing is uniform, E when every token goes to one expert (with all its
     probability); only P carries a gradient."""
-    E = probs_TxE.shape[-1]
-    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
-    p_E = jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
-    return E * jnp.sum(f_E * p_E)
+    f_E, p_E = balance_shares(probs_TxE, experts_TxK)
+    return probs_TxE.shape[-1] * jnp.sum(f_E * p_E)
 
 
 def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
@@ -127,6 +141,11 @@ class MoE(nnx.Module):
                 opt(self.bias_out_ExD))
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> tuple[jax.Array, dict]:
+        if hooks.experts is not None:
+            y_BxLxD, stats = self._expert_parallel(x_BxLxD, hooks.experts.mesh, hooks.experts.axis)
+            if self.shared is not None:
+                y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
+            return checkpoint_name(y_BxLxD, "mlp_out"), stats
         B, L, D = x_BxLxD.shape
         x_TxD = x_BxLxD.reshape(B * L, D)
         logits_TxE = x_TxD.astype(jnp.float32) @ self.router_DxE[...].astype(jnp.float32)
@@ -145,22 +164,44 @@ class MoE(nnx.Module):
     def _dropless(self, x_TxD, weights_TxK, experts_TxK):
         """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
         T, K = experts_TxK.shape
+        x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
+        out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), self._weights(x_TxD.dtype), self.act)
+        return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
+
+    def _expert_parallel(self, x_BxLxD, mesh, axis: str):
+        """The routed experts with their weights split over mesh axis `axis`: (y [B, L, D], stats), under shard_map
+        with every device's own tokens (module docstring)."""
+        x_spec = activation_spec(("batch", "seq", "embed"), x_BxLxD.shape) or P()
+        token_axes = tuple(a for dim in x_spec for a in ((dim,) if isinstance(dim, str) else (dim or ())))
+        k, router, factor, act = self.k, self.router, self.capacity_factor, self.act
         E = self.w_in_ExDxF.shape[0]
-        w_in, w_gate, w_out, b_in, b_out = self._weights(x_TxD.dtype)
-        experts_S = experts_TxK.reshape(T * K)
-        order_S = jnp.argsort(experts_S, stable=True)  # slots grouped by expert, token order within a group
-        expert_of_S = experts_S[order_S]
-        x_SxD = jnp.take(x_TxD, order_S // K, axis=0)
-        sizes_E = jnp.bincount(experts_S, length=E).astype(jnp.int32)
-        h_SxF = jax.lax.ragged_dot(x_SxD, w_in, sizes_E)
-        if b_in is not None:
-            h_SxF = h_SxF + jnp.take(b_in, expert_of_S, axis=0)
-        gate_SxF = jax.lax.ragged_dot(x_SxD, w_gate, sizes_E) if w_gate is not None else None
-        out_SxD = jax.lax.ragged_dot(_activate(h_SxF, gate_SxF, self.act), w_out, sizes_E)
-        if b_out is not None:
-            out_SxD = out_SxD + jnp.take(b_out, expert_of_S, axis=0)
-        out_TxKxD = jnp.take(out_SxD, jnp.argsort(order_S), axis=0).reshape(T, K, -1)  # back to slot order
-        return jnp.einsum("tkd,tk->td", out_TxKxD, weights_TxK.astype(out_TxKxD.dtype))
+
+        def local(x_BxLxD, router_DxE, weights):
+            B, L, D = x_BxLxD.shape
+            x_TxD = x_BxLxD.reshape(B * L, D)
+            logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
+            weights_TxK, experts_TxK, probs_TxE = route(logits_TxE, k, router)
+            T, n = B * L, jax.lax.axis_size(axis)
+            cap = capacity(T, k, E, factor) if factor > 0 else None
+            # capacity: every token's first choice before any token's second (as `_capacity` on one device)
+            priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
+            plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority)
+            rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis)
+            rows_y = _expert_mlp(rows_x, rows_e, weights, act)
+            out_SxD = ep.combine(rows_y, plan, axis)
+            y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
+            # the router losses of the whole batch: every device holds as many tokens
+            mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else (lambda v: v)  # noqa: E731
+            f_E, p_E = balance_shares(probs_TxE, experts_TxK)
+            stats = {"aux_loss": E * jnp.sum(mean(f_E) * mean(p_E)), "z_loss": mean(router_z_loss(logits_TxE)),
+                     "dropped": 1.0 - mean(jnp.mean(plan.keep_S.astype(jnp.float32)))}
+            return y_TxD.reshape(B, L, D), stats
+
+        weights = self._weights(x_BxLxD.dtype)
+        w_specs = tuple(None if w is None else P(axis) for w in weights)
+        run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, P(), w_specs),
+                                out_specs=(x_spec, P()))
+        return run(x_BxLxD, self.router_DxE[...], weights)
 
     def _capacity(self, x_TxD, weights_TxK, experts_TxK):
         """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
@@ -188,3 +229,20 @@ class MoE(nnx.Module):
         combine_S = weights_TxK.T.reshape(K * T) * keep_S  # a dropped slot adds nothing
         out_KxTxD = (out_SxD * combine_S.astype(out_SxD.dtype)[:, None]).reshape(K, T, -1)
         return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
+
+
+def _expert_mlp(x_RxD, expert_R, weights, act: str):
+    """Each row through its expert's MLP by grouped matmuls (`jax.lax.ragged_dot`), in row order. `expert_R` holds
+    indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row whose index is E (an
+    empty row of an all-to-all buffer) is in no group and comes out as garbage the caller never reads."""
+    w_in, w_gate, w_out, b_in, b_out = weights
+    order_R, sizes_E = ep.group_rows(expert_R, w_in.shape[0])
+    x_RxD, expert_R = x_RxD[order_R], expert_R[order_R]
+    h_RxF = jax.lax.ragged_dot(x_RxD, w_in, sizes_E)
+    if b_in is not None:
+        h_RxF = h_RxF + jnp.take(b_in, expert_R, axis=0, mode="clip")
+    gate_RxF = jax.lax.ragged_dot(x_RxD, w_gate, sizes_E) if w_gate is not None else None
+    out_RxD = jax.lax.ragged_dot(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
+    if b_out is not None:
+        out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
+    return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)  # back to row order

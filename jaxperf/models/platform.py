@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from jaxperf.config import ConfigError, ModelConfig, TrainConfig
+from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -192,7 +192,7 @@ def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> 
     """[attention, loss, norm] as `settle` writes them into the model config."""
     _check(platform)
     m = cfg.model.resolved()
-    shape = {a: int(mesh_shape.get(a, 1)) for a in ("data", "stage", "fsdp", "seq", "tensor")}
+    shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
     seq_len = cfg.train_seq_len
     if m.attention_impl != "auto":
         attention = Choice("attention", m.attention_impl, "model.attention_impl")
@@ -205,7 +205,7 @@ def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> 
     elif m.loss_impl != "auto":
         loss = Choice("loss", m.loss_impl, "model.loss_impl")
     else:
-        batch_split = shape["data"] * shape["fsdp"]
+        batch_split = shape["data"] * shape["fsdp"] * shape["expert"]
         rows = cfg.batch_size // max(cfg.microbatches, 1) // batch_split * seq_len
         loss = loss_choice(platform, rows_per_device=rows, vocab=m.padded_vocab, vocab_split=shape["tensor"] > 1,
                            seq_split=shape["seq"] > 1)

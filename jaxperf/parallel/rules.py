@@ -63,13 +63,21 @@ STRATEGIES: dict[str, Rules] = {
 # ring over it). `residual_seq` names the sequence dim of the residual stream between layers, which Megatron-style
 # sequence parallelism also splits over `tensor`.
 _STAGE_PARAMS = (("layers", "stage"),)
+# Expert parallelism: an MoE layer's stacked experts split over `expert`, and everywhere else the axis splits the
+# batch like `data` (the last mapping of a name wins in a table).
+_EXPERT_PARAMS = (("expert", "expert"),)
 
 
 def mesh_rules(rules: Rules, mesh: Mesh, *, sequence_parallel: bool = False) -> Rules:
-    """`rules` with the mappings the mesh's stage and seq axes (and sequence parallelism over tensor) need."""
+    """`rules` with the mappings the mesh's stage, expert and seq axes (and sequence parallelism over tensor) need."""
     params, acts = rules.params, rules.activations
     if mesh.shape.get("stage", 1) > 1:
         params = _STAGE_PARAMS + params
+    if mesh.shape.get("expert", 1) > 1:
+        params = _EXPERT_PARAMS + params
+        batch = dict(acts).get("batch")
+        batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+        acts = acts + (("batch", batch + ("expert",)),)
     seq = ("seq",) if mesh.shape.get("seq", 1) > 1 else ()
     residual = seq + (("tensor",) if sequence_parallel and mesh.shape.get("tensor", 1) > 1 else ())
     if seq:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxperf import _compat
 from jaxperf.config import TrainConfig
 from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
-from jaxperf.models.hooks import ContextSpec, LayerHooks, PipelineSpec
+from jaxperf.models.hooks import ContextSpec, ExpertSpec, LayerHooks, PipelineSpec
 from jaxperf.models.platform import settle
 from jaxperf.parallel.mesh import platform_of
 from jaxperf.parallel.pipeline import split_microbatches
@@ -405,8 +405,9 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
     if mesh.shape.get("seq", 1) > 1:
         context = ContextSpec(mesh.shape["seq"], cfg.parallel.context_layout)
     sequence_parallel = mesh if cfg.parallel.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None
-    hooks = (LayerHooks(pipeline=pipeline, context=context, sequence_parallel=sequence_parallel)
-             if pipeline or context or sequence_parallel is not None else None)
+    experts = ExpertSpec(mesh) if mesh.shape.get("expert", 1) > 1 else None
+    hooks = (LayerHooks(pipeline=pipeline, context=context, sequence_parallel=sequence_parallel, experts=experts)
+             if pipeline or context or sequence_parallel is not None or experts else None)
     check_collective_order(cfg, dict(mesh.shape), platform_of(mesh))
     if make_model is None:
         model_cfg = settle(cfg, dict(mesh.shape), platform_of(mesh))
