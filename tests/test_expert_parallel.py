@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import flat, make_task, random_batches
 from jaxperf import _compat
 from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, validate
+from jaxperf.models import moe
 from jaxperf.parallel import expert as ep
 
 N, E, S, D = 4, 8, 12, 3  # devices on the expert axis, experts, slots per device, width
@@ -151,3 +152,17 @@ def test_expert_parallel_refusals_come_before_compiling(model, parallel, match):
     cfg = TrainConfig(model=model, parallel=ParallelConfig(**parallel), batch_size=16)
     with pytest.raises(ConfigError, match=match):
         validate(cfg, 8)
+
+
+def test_the_start_up_line_counts_slots_per_expert_and_all_to_all_bytes():
+    cfg = TrainConfig(model=MOE, parallel=ParallelConfig(data=2, fsdp=1, expert=4), batch_size=16, seq_len=32)
+    line = moe.describe(cfg, {"data": 2, "fsdp": 1, "expert": 4})
+    # 16 x 32 tokens x top-2 over 8 experts: 128 slots each. A device holds 16 x 32 / 8 = 64 tokens, 128 slots: a
+    # dropless block is 128 rows of 64 fp32 values and an int32 id; 4 all-to-alls in each of 2 layers, 3 blocks sent
+    sent = 4 * 2 * 3 * 128 * (64 * 4 + 4)
+    assert line == (f"moe: 2 of 2 layers, 8 experts (top-2), 2 per device over expert=4; 128 token slots per expert "
+                    f"per layer and step on average; all-to-all {sent / 2**20:.1f} MiB sent per device per step "
+                    f"(128 rows per block)")
+    capped = dataclasses.replace(cfg, model=dataclasses.replace(MOE, capacity_factor=1.0))
+    assert "capacity factor 1; all-to-all" in moe.describe(capped, {"data": 2, "expert": 4})
+    assert "(32 rows per block)" in moe.describe(capped, {"data": 2, "expert": 4})  # 2 experts x C = 64 x 2 / 8

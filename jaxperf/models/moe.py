@@ -246,3 +246,29 @@ def _expert_mlp(x_RxD, expert_R, weights, act: str):
     if b_out is not None:
         out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
     return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)  # back to row order
+
+
+def describe(cfg, mesh_shape) -> str:
+    """The start-up line of an MoE run (`cfg` a TrainConfig): experts per device, token slots per expert in a step
+    (on average: dropless takes them all, a capacity at most its C per device's group), and with `expert` > 1 the
+    bytes each device sends by all-to-all per step (dispatch and combine, forward and backward: 4 per MoE layer and
+    microbatch, the dense blocks of jaxperf.parallel.expert, less the block a device keeps)."""
+    m = cfg.model.resolved()
+    n = int(mesh_shape.get("expert", 1))
+    layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
+    tokens = cfg.batch_size * cfg.train_seq_len  # per step, over all devices
+    slots = tokens * m.experts_per_token
+    line = (f"moe: {layers} of {m.n_layers} layers, {m.n_experts} experts (top-{m.experts_per_token}"
+            f"{f', {m.n_shared_experts} shared' if m.n_shared_experts else ''}), {m.n_experts // n} per device over "
+            f"expert={n}; {slots / m.n_experts:.0f} token slots per expert per layer and step on average")
+    if m.capacity_factor:
+        line += f", capacity factor {m.capacity_factor:g}"
+    if n > 1:
+        groups = math.prod(int(mesh_shape.get(a, 1)) for a in ("data", "fsdp", "expert", "seq")) * cfg.microbatches
+        local = tokens // groups  # a device's tokens in one microbatch
+        rows = (m.n_experts // n * capacity(local, m.experts_per_token, m.n_experts, m.capacity_factor)
+                if m.capacity_factor else local * m.experts_per_token)
+        block = rows * (m.d_model * jnp.dtype(m.dtype).itemsize + 4)  # the rows and their expert ids
+        sent = 4 * layers * cfg.microbatches * (n - 1) * block
+        line += f"; all-to-all {sent / 2**20:.1f} MiB sent per device per step ({rows} rows per block)"
+    return line

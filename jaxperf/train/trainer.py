@@ -32,6 +32,7 @@ from jaxperf.data import (Prefetcher, datasets_for, process_rows, to_global_arra
                           with_vocab)
 from jaxperf.generate import Generator
 from jaxperf.step.flavours import FlavouredStep, build_train_step, check_flavour
+from jaxperf.models import moe
 from jaxperf.models.hooks import LayerHooks
 from jaxperf.models.platform import describe_settled
 from jaxperf.parallel.mesh import make_mesh, normalize_platform, platform_of
@@ -285,7 +286,9 @@ class Trainer:
 
     def report_startup(self, state: TrainState) -> dict:
         """Log the mesh and check bytes per device against what the strategy should give."""
-        weight_axes = {a for _, axes in self.rules.params for a in ((axes,) if isinstance(axes, str) else axes or ())}
+        # the axes every weight is split over (an MoE layer's experts are split over `expert` as well)
+        weight_axes = {a for _, axes in self.rules.params for a in ((axes,) if isinstance(axes, str) else axes or ())
+                       if a != "expert"}
         factor = int(np.prod([self.mesh.shape[a] for a in weight_axes])) if weight_axes else 1
         report = check_sharding({"params": state.params, "opt_state": state.opt_state}, self.mesh,
                                 {"params": factor, "opt_state": factor})
@@ -294,6 +297,8 @@ class Trainer:
             f"{format_report(report, self.mesh)}")
         if not self.custom_model:
             log(describe_settled(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
+            if self.cfg.model.n_experts:
+                log(moe.describe(self.cfg, dict(self.mesh.shape)))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))
