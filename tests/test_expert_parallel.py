@@ -113,7 +113,7 @@ def one_device():
     return _train(MOE, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", list(EP_MESHES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if "tensor" in n else ()) for n in EP_MESHES])
 def test_the_expert_parallel_step_equals_one_device(name, one_device):
     mesh_kw, strategy = EP_MESHES[name]
     state, metrics = _train(MOE, mesh_kw, strategy)
@@ -130,12 +130,13 @@ def test_the_expert_parallel_step_equals_one_device(name, one_device):
             assert leaf.addressable_shards[0].data.shape == EXPERT_SHARDS[name][key], (name, path)
 
 
-def test_the_capacity_path_splits_over_experts_and_counts_what_it_drops():
-    """With room for every slot it equals dropless; with little room it drops, and says how much."""
+@pytest.mark.slow
+def test_the_capacity_path_splits_over_experts_and_counts_what_it_drops(one_device):
+    """With room for every slot it equals dropless (one device's step); with little room it drops, and says how
+    much."""
     roomy = dataclasses.replace(MOE, capacity_factor=8.0)
-    _, dropless = _train(MOE, *EP_MESHES["expert4_data2"], n_steps=1)
     _, full = _train(roomy, *EP_MESHES["expert4_data2"], n_steps=1)
-    np.testing.assert_allclose(full[0]["loss"], dropless[0]["loss"], rtol=1e-6)
+    np.testing.assert_allclose(full[0]["loss"], one_device[1][0]["loss"], rtol=2e-5)
     assert full[0]["moe_dropped_fraction"] == 0.0
     _, tight = _train(dataclasses.replace(MOE, capacity_factor=0.5), *EP_MESHES["expert4_data2"], n_steps=1)
     assert 0.5 <= tight[0]["moe_dropped_fraction"] < 1.0  # at most half the slots fit

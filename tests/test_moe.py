@@ -151,6 +151,7 @@ def test_balance_loss_and_z_loss_match_their_formulas():
     assert float(router_z_loss(logits)) == pytest.approx((lse[0] ** 2 + lse[1] ** 2) / 2, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_tiny_trains_on_one_device_and_reports_its_router_metrics():
     cfg = get_config("moe-tiny")
     one = ParallelConfig(strategy="dp", data=1, fsdp=1)
