@@ -85,6 +85,7 @@ def test_presets_have_their_documented_sizes():
     assert round(count_params(get_config("gpt2-small").model) / 1e6) == 124
     assert round(count_params(get_config("gpt2-medium").model) / 1e6) == 355
     assert 0.95e9 < count_params(get_config("llama-1b").model) < 1.1e9
+    assert round(count_params(get_config("mixtral-8x7b").model) / 1e8) == 467  # 46.7B, Mixtral-8x7B
     assert ModelConfig(style="llama", d_model=96).resolved().mlp_dim == 256
 
 
@@ -124,7 +125,7 @@ def test_any_annotated_field_parses_including_tuples_and_nested_sections():
 
 
 def test_presets_are_functions_and_configs_round_trip_through_json():
-    assert set(PRESETS) >= {"tiny", "gpt2-small", "gpt2-medium", "llama-1b", "moe-tiny"}
+    assert set(PRESETS) >= {"tiny", "gpt2-small", "gpt2-medium", "llama-1b", "moe-tiny", "mixtral-8x7b"}
     assert all(isinstance(make(), TrainConfig) for make in PRESETS.values())
     cfg = get_config("llama-1b", ["batch_size=8"])
     assert from_dict(json.loads(json.dumps(to_dict(cfg)))) == cfg

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxperf.config.overrides import apply_overrides
-from jaxperf.config.schema import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from jaxperf.config.schema import ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 
 
 def tiny() -> TrainConfig:
@@ -68,8 +68,28 @@ def llama_1b() -> TrainConfig:
     )
 
 
+def mixtral_8x7b() -> TrainConfig:
+    """Mixtral-8x7B's shapes, 46.7B parameters of which 12.9B are active per token: Llama style, 32 layers each with
+    8 SwiGLU experts of width 14336 (top-2 softmax routing, dropless), 32 heads sharing 8 KV heads, an untied head,
+    rope_theta 1e6, bf16, `remat=save_dots`, fsdp. It trains on 4096-token sequences (the released model's context is
+    32768; with RoPE `max_seq_len` only bounds the sequence length, so `max_seq_len=32768` changes no parameter). The
+    router losses are those a Mixtral checkpoint imports with (aux 0.02, no z-loss). A pod-sized model: add
+    `parallel.expert` to split the experts over chips (docs/moe.md)."""
+    return TrainConfig(
+        model=ModelConfig(style="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                          mlp_dim=14336, n_experts=8, experts_per_token=2, moe_mlp_dim=14336, router="softmax",
+                          router_aux_loss_coef=0.02, router_z_loss_coef=0.0, max_seq_len=4096, tie_embeddings=False,
+                          rope_theta=1_000_000.0, norm_eps=1e-5, dtype="bfloat16", remat="save_dots"),
+        optim=OptimConfig(lr=3e-4, warmup_steps=2000),
+        data=DataConfig(tokenizer="bpe"),
+        parallel=ParallelConfig(strategy="fsdp"),
+        batch_size=256, max_steps=100_000, run_dir="runs/mixtral-8x7b", eval_every=1000, checkpoint_every=1000,
+    )
+
+
 PRESETS: dict[str, Callable[[], TrainConfig]] = {
     "tiny": tiny, "gpt2-small": gpt2_small, "gpt2-medium": gpt2_medium, "llama-1b": llama_1b, "moe-tiny": moe_tiny,
+    "mixtral-8x7b": mixtral_8x7b,
 }
 DEFAULT_PRESET = "tiny"
 
