@@ -16,11 +16,12 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from helpers import hf_tokenizer
-from jaxperf.config import ModelConfig, ParallelConfig
+from jaxperf.config import ModelConfig, ParallelConfig, get_config, validate_model
 from jaxperf.data import HFTokenizer, special_token_ids
 from jaxperf.generate import Generator
 from jaxperf.interop import (
-    HFCheckpointError, export_hf, hf_model_config, import_hf, load_hf_model, load_hf_params, read_generation_config,
+    RUNTIME_FIELDS, HFCheckpointError, export_hf, hf_model_config, import_hf, load_hf_model, load_hf_params,
+    read_generation_config,
 )
 from jaxperf.interop._safetensors import Checkpoint, write_shards
 from jaxperf.models import GPT
@@ -209,6 +210,168 @@ def test_export_round_trips_for_real_use(tmp_path):
     written = json.loads((tmp_path / "bare" / "config.json").read_text())
     assert [written[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")] == [None, None, None]
     assert transformers.AutoConfig.from_pretrained(tmp_path / "bare").bos_token_id is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Mixtral: the experts in the hub layout (one w1/w2/w3 per expert) and transformers' fused one
+
+
+def _mixtral(torch, transformers, **kw):
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+               rope_theta=500.0, rms_norm_eps=1e-5, router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0)
+    cfg.update(kw)
+    return _randomize(torch, transformers.MixtralForCausalLM(transformers.MixtralConfig(**cfg)))
+
+
+def _jaxperf_logits(directory, tokens, **kw):
+    return np.asarray(load_hf_model(str(directory), **kw)(jnp.asarray(tokens)))
+
+
+def _hub_tensors(directory) -> dict:
+    files = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    return {k: v for f in files for k, v in load_file(str(directory / f)).items()}
+
+
+def test_mixtral_roundtrip(tmp_path):
+    """transformers' Mixtral (saved with the experts in the hub layout, sharded) -> jaxperf (scanned and looped
+    layers): the same logits; jaxperf -> export -> transformers: the same logits and, bit for bit, the same tensors
+    under the same names."""
+    torch, transformers = _hf()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hf_model = _mixtral(torch, transformers)
+    hf_model.save_pretrained(src, max_shard_size="20KB")
+    source = _hub_tensors(src)
+    assert "model.layers.1.block_sparse_moe.experts.3.w1.weight" in source and len(
+        [f for f in os.listdir(src) if f.endswith(".safetensors")]) > 1
+    tokens = _tokens()
+    ref = _hf_logits(torch, hf_model, tokens)
+    for scan in (True, False):
+        np.testing.assert_allclose(_jaxperf_logits(src, tokens, scan_layers=scan), ref, atol=1e-5, rtol=1e-5)
+    cfg, params = import_hf(str(src))
+    assert (cfg.style, cfg.n_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.router, cfg.capacity_factor) == (
+        "llama", 4, 2, 24, "softmax", None)
+    assert (cfg.router_aux_loss_coef, cfg.router_z_loss_coef, cfg.rope_theta, cfg.n_kv_heads) == (0.02, 0.0, 500.0, 2)
+    export_hf(cfg, params, str(dst))  # an MoE model exports as Mixtral without naming the arch
+    written = json.loads((dst / "config.json").read_text())
+    assert (written["architectures"], written["num_local_experts"], written["num_experts_per_tok"],
+            written["intermediate_size"]) == (["MixtralForCausalLM"], 4, 2, 24)
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(back) is type(hf_model)
+    np.testing.assert_allclose(_hf_logits(torch, back, tokens), ref, atol=1e-5, rtol=1e-5)
+    out = _hub_tensors(dst)
+    assert set(out) == set(source)
+    for name, value in out.items():
+        np.testing.assert_array_equal(value, source[name], err_msg=name)
+
+
+def test_mixtral_fused_layout_imports_to_the_same_logits(tmp_path):
+    """transformers 5's own modules hold the experts fused (mlp.experts.gate_up_proj [E, 2F, D], gate rows first;
+    mlp.experts.down_proj [E, D, F]; router mlp.gate): a directory written in that layout imports to the logits of
+    the hub layout."""
+    torch, transformers = _hf()
+    hf_model = _mixtral(torch, transformers, tie_word_embeddings=True)
+    hf_model.save_pretrained(tmp_path / "hub")
+    fused = {k: v.detach().numpy().copy() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 48, 32)
+    os.makedirs(tmp_path / "fused")
+    save_file(fused, str(tmp_path / "fused" / "model.safetensors"))
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hub" / "config.json").read_text())
+    tokens = _tokens(seed=3)
+    ref = _hf_logits(torch, hf_model, tokens)
+    np.testing.assert_allclose(_jaxperf_logits(tmp_path / "fused", tokens), ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(_jaxperf_logits(tmp_path / "hub", tokens), ref, atol=1e-5, rtol=1e-5)
+    _, params = import_hf(str(tmp_path / "fused"))
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["w_gate_ExDxF"][1, 2],
+                                  fused["model.layers.1.mlp.experts.gate_up_proj"][2, :24].T)
+
+
+def test_mixtral_experts_split_over_a_mesh(tmp_path):
+    """Loaded with the experts split over an expert axis (4 ways) and the embed dim over fsdp (2 ways): each device
+    reads its experts' block, the logits are transformers', and the export from those shards is the source, bit for
+    bit."""
+    torch, transformers = _hf()
+    hf_model = _mixtral(torch, transformers)
+    hf_model.save_pretrained(tmp_path / "src")
+    mesh = make_mesh(ParallelConfig(strategy="fsdp", data=1, fsdp=2, expert=4))
+    model = load_hf_model(str(tmp_path / "src"), mesh=mesh)
+    w = model.blocks.mlp.w_gate_ExDxF[...]
+    assert w.shape == (2, 4, 32, 24) and w.sharding.shard_shape(w.shape) == (2, 1, 16, 24)
+    tokens = _tokens(seed=1)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(tokens))), _hf_logits(torch, hf_model, tokens),
+                               atol=1e-5, rtol=1e-5)
+    export_hf(model.cfg, model, str(tmp_path / "dst"), arch="mixtral")
+    source = _hub_tensors(tmp_path / "src")
+    for name, value in _hub_tensors(tmp_path / "dst").items():
+        np.testing.assert_array_equal(value, source[name], err_msg=name)
+
+
+def test_mixtral_generates_as_transformers(tmp_path):
+    """The KV-cache forward of an imported Mixtral: jaxperf's greedy tokens are transformers'."""
+    torch, transformers = _hf()
+    tok = hf_tokenizer(tmp_path, TEXT)
+    hf_model = _mixtral(torch, transformers, vocab_size=tok.get_vocab_size(), max_position_embeddings=64,
+                        bos_token_id=None, eos_token_id=None)
+    hf_model.save_pretrained(tmp_path)
+    prompt = tok.encode("Once upon a time").ids
+    ours = Generator(load_hf_model(str(tmp_path)), HFTokenizer.from_file(tmp_path)).generate(
+        [prompt], max_tokens=12, temperature=0.0)
+    with torch.no_grad():
+        theirs = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    assert ours[0].tokens == theirs.tolist()
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"sliding_window": 16}, r"config.json sliding_window=16 is not supported: .*at least max_position_embeddings=32"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 is not supported: .*1 to num_local_experts=4"),
+    ({"router_jitter_noise": 0.1}, r"router_jitter_noise=0.1 .*no jitter"),
+])
+def test_mixtral_refusals(tmp_path, config, match):
+    """Settings jaxperf's Mixtral cannot reproduce are refused from config.json, in one line, before any tensor is
+    read; a window as long as the context is no window and imports."""
+    hf = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": V, "hidden_size": D,
+          "intermediate_size": F, "num_hidden_layers": NL, "num_attention_heads": H, "num_key_value_heads": H,
+          "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 32, "hidden_act": "silu",
+          "sliding_window": 32}
+    os.makedirs(tmp_path, exist_ok=True)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert hf_model_config(str(tmp_path)).n_experts == 4
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **config}))
+    with pytest.raises(HFCheckpointError, match=match) as err:
+        hf_model_config(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_mixtral_8x7b_preset_is_the_released_config(tmp_path):
+    """The preset's model is what Mixtral-8x7B's config.json imports to, but for its training context (4096 of the
+    32768 positions) and the settings that change how it runs (dtype, remat)."""
+    hf = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+          "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": None,
+          "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02, "hidden_act": "silu",
+          "tie_word_embeddings": False, "router_jitter_noise": 0.0, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    imported = hf_model_config(str(tmp_path))
+    preset = validate_model(get_config("mixtral-8x7b").model)
+    differ = {f.name for f in dataclasses.fields(ModelConfig)
+              if getattr(imported, f.name) != getattr(preset, f.name)}
+    assert differ <= {"max_seq_len", "vocab_multiple", *RUNTIME_FIELDS}, differ
+    assert (preset.max_seq_len, imported.max_seq_len, preset.padded_vocab) == (4096, 32768, 32000)
+
+
+def test_mixtral_export_errors(tmp_path):
+    moe = ModelConfig(style="llama", vocab_size=V, d_model=D, n_layers=1, n_heads=H, max_seq_len=32, n_experts=4)
+    model = GPT(moe, rngs=nnx.Rngs(0))
+    with pytest.raises(HFCheckpointError, match=r"mixture-of-experts model \(model.n_experts=4\) as "
+                                                r"LlamaForCausalLM: export it as 'mixtral'"):
+        export_hf(moe, model, str(tmp_path), arch="llama")
+    dense = dataclasses.replace(moe, n_experts=0)
+    with pytest.raises(HFCheckpointError, match=r"dense model \(model.n_experts=0\) as MixtralForCausalLM"):
+        export_hf(dense, GPT(dense, rngs=nnx.Rngs(0)), str(tmp_path), arch="mixtral")
+    shared = dataclasses.replace(moe, n_shared_experts=1)
+    with pytest.raises(HFCheckpointError, match=r"model.n_shared_experts=1 as MixtralForCausalLM"):
+        export_hf(shared, GPT(shared, rngs=nnx.Rngs(0)), str(tmp_path), arch="mixtral")
+    assert not os.path.exists(tmp_path / "config.json")
 
 
 # --------------------------------------------------------------------------------------------------------------------

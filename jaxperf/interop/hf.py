@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`) and Llama (`LlamaForCausalLM`).
+"""Hugging Face checkpoints in and out: GPT-2 (`GPT2LMHeadModel`), Llama (`LlamaForCausalLM`) and Mixtral
+(`MixtralForCausalLM`).
 
     cfg, params = import_hf("path/to/gpt2")           # ModelConfig + pure-dict params (numpy, float32)
     cfg = hf_model_config("path/to/llama")           # the ModelConfig alone (config.json only)
@@ -25,11 +26,19 @@ description drives import (whole or a device's slice) and export.
 - The imported config sets `vocab_multiple=1`, so the embedding and head have exactly the checkpoint's vocabulary and
   the logits match the HF model's one for one. Exporting a model trained with a padded vocabulary drops the padded
   rows (never produced by a tokenizer); their share of the softmax during training is then gone, a tiny difference.
+- Mixtral is Llama with a mixture-of-experts MLP (jaxperf's `n_experts`, `router="softmax"`, dropless). The hub layout
+  stores one tensor per expert: `block_sparse_moe.experts.{j}.w1` (the SwiGLU gate, [F, D]), `.w3` (up, [F, D]),
+  `.w2` (down, [D, F]) and the router `block_sparse_moe.gate` [E, D]; expert j's tensors are slice j of jaxperf's
+  stacked `mlp.w_gate_ExDxF`, `mlp.w_in_ExDxF`, `mlp.w_out_ExFxD` (each transposed) and `gate` is `mlp.router_DxE`
+  transposed. The fused layout (transformers 5's modules: `mlp.experts.gate_up_proj` [E, 2F, D], gate rows first, and
+  `mlp.experts.down_proj` [E, D, F], router `mlp.gate`) is read too; export writes the hub layout. A `_Map` with
+  `experts` stands for the E expert tensors (or the E slices of a fused one) and its parts have a leading expert dim.
 
 Refused with an error that names the tensor or setting: other architectures, missing or unexpected tensors, shapes
 that do not match the config, RoPE scaling (`rope_scaling`/`rope_parameters` other than "default"), activations other
-than GELU (GPT-2) or SiLU (Llama), a non-zero Llama `gate_proj` bias (jaxperf's SwiGLU has no gate bias), and GPT-2
-variants (`scale_attn_by_inverse_layer_idx`, unscaled attention, cross-attention). Llama `attention_bias` and
+than GELU (GPT-2) or SiLU (Llama, Mixtral), a non-zero Llama `gate_proj` bias (jaxperf's SwiGLU has no gate bias),
+GPT-2 variants (`scale_attn_by_inverse_layer_idx`, unscaled attention, cross-attention), a Mixtral sliding window
+shorter than the context, router jitter, or more experts per token than experts. Llama `attention_bias` and
 `mlp_bias` map to jaxperf's `use_bias=True` (the biases jaxperf has and the checkpoint lacks are zero).
 """
 
@@ -58,7 +67,7 @@ from jaxperf.models.gpt import GPT
 from jaxperf.parallel.rules import get_rules
 from jaxperf.step.task import Task
 
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 # ModelConfig fields that change how the model runs but not what it computes: safe to override on import.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention_impl", "norm_impl",
                   "loss_impl", "matmul_grad_barrier", "init_std")
@@ -93,6 +102,21 @@ class _Map:
     hf_shape: tuple[int, ...]
     parts: tuple[_Part, ...]
     zero_only: bool = False  # no jaxperf tensor: imported only when all zero (Llama's gate bias)
+    # > 0: one expert's tensor of E. `hf` holds "{j}" (one HF tensor per expert, Mixtral's hub layout) or names one
+    # tensor [E, *hf_shape] whose slice j is expert j (the fused layout); every part has a leading expert dim.
+    experts: int = 0
+
+    def stored(self) -> list[tuple[str, tuple[int, ...], int | None]]:
+        """(HF name, stored shape, expert or None) of each HF tensor this map stands for."""
+        if not self.experts:
+            return [(self.hf, self.hf_shape, None)]
+        if "{j}" in self.hf:
+            return [(self.hf.format(j=j), self.hf_shape, j) for j in range(self.experts)]
+        return [(self.hf, (self.experts, *self.hf_shape), None)]
+
+    def expert_source(self, j: int) -> tuple[str, tuple[int, ...]]:
+        """(HF name, leading index) that holds expert j's tensor."""
+        return (self.hf.format(j=j), ()) if "{j}" in self.hf else (self.hf, (j,))
 
 
 def _same(hf: str, jp: str, shape: tuple[int, ...]) -> _Map:
@@ -100,9 +124,9 @@ def _same(hf: str, jp: str, shape: tuple[int, ...]) -> _Map:
     return _Map(hf, shape, (_Part(jp, shape[:-1], shape[-1:]),))
 
 
-def _linear_t(hf: str, jp: str, inn: tuple[int, ...], out: tuple[int, ...]) -> _Map:
+def _linear_t(hf: str, jp: str, inn: tuple[int, ...], out: tuple[int, ...], experts: int = 0) -> _Map:
     """nn.Linear [out, in] <-> jaxperf [*in, *out] (transposed, then both sides split into jaxperf's dims)."""
-    return _Map(hf, (math.prod(out), math.prod(inn)), (_Part(jp, inn, out, t=True),))
+    return _Map(hf, (math.prod(out), math.prod(inn)), (_Part(jp, inn, out, t=True),), experts=experts)
 
 
 def _bands(hf: str, hf_shape: tuple[int, ...], jps: tuple[str, ...], rows: tuple[int, ...],
@@ -178,6 +202,24 @@ def _llama_config(hf: dict) -> tuple[ModelConfig, dict]:
     return cfg, flags
 
 
+def _mixtral_config(hf: dict) -> tuple[ModelConfig, dict]:
+    """Llama's mapping plus the experts: dropless softmax routing over num_local_experts, top num_experts_per_tok."""
+    cfg, _ = _llama_config(hf)
+    E = _require(hf, "num_local_experts", lambda v: isinstance(v, int) and v >= 1, None,
+                 "a Mixtral config needs num_local_experts >= 1")
+    _require(hf, "num_experts_per_tok", lambda v: isinstance(v, int) and 1 <= v <= E, 2,
+             f"each token goes to 1 to num_local_experts={E} experts")
+    _require(hf, "sliding_window", lambda v: v is None or v >= cfg.max_seq_len, None,
+             f"jaxperf attends over the whole context, so the window must be null or at least "
+             f"max_position_embeddings={cfg.max_seq_len}")
+    _require(hf, "router_jitter_noise", lambda v: not v, 0.0, "jaxperf's router has no jitter")
+    # HF's Mixtral trains with the load-balancing loss alone: no router z-loss
+    return dataclasses.replace(
+        cfg, n_experts=E, experts_per_token=hf.get("num_experts_per_tok", 2), moe_mlp_dim=hf["intermediate_size"],
+        router="softmax", router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        router_z_loss_coef=0.0), {"attention_bias": False, "mlp_bias": False, "fused": False}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Tensor maps
 
@@ -240,8 +282,34 @@ def _llama_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
     return layer, top
 
 
+def _mixtral_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
+    """Llama's attention, norms and embeddings; the experts in the hub layout (one tensor per expert) or, with
+    flags["fused"], in transformers' fused one."""
+    D, E, F = c.d_model, c.n_experts, c.moe_mlp_dim
+    layer, top = _llama_maps(c, {"attention_bias": False, "mlp_bias": False})
+    layer = [m for m in layer if not m.hf.startswith("mlp.")]
+    if flags.get("fused"):
+        layer += [
+            _linear_t("mlp.gate.weight", "mlp.router_DxE", (D,), (E,)),
+            _Map("mlp.experts.gate_up_proj", (2 * F, D), (_Part("mlp.w_gate_ExDxF", (D,), (F,), t=True),
+                                                           _Part("mlp.w_in_ExDxF", (D,), (F,), offset=F, t=True)),
+                 experts=E),
+            _linear_t("mlp.experts.down_proj", "mlp.w_out_ExFxD", (F,), (D,), experts=E),
+        ]
+    else:
+        moe = "block_sparse_moe."
+        layer += [
+            _linear_t(moe + "gate.weight", "mlp.router_DxE", (D,), (E,)),
+            _linear_t(moe + "experts.{j}.w1.weight", "mlp.w_gate_ExDxF", (D,), (F,), experts=E),
+            _linear_t(moe + "experts.{j}.w3.weight", "mlp.w_in_ExDxF", (D,), (F,), experts=E),
+            _linear_t(moe + "experts.{j}.w2.weight", "mlp.w_out_ExFxD", (F,), (D,), experts=E),
+        ]
+    return layer, top
+
+
 # Layer and model prefixes of each architecture (HF saves GPT-2 with or without "transformer.").
-_PREFIXES = {"gpt2": (("transformer.", ""), "h.{i}."), "llama": (("model.",), "layers.{i}.")}
+_PREFIXES = {"gpt2": (("transformer.", ""), "h.{i}."), "llama": (("model.",), "layers.{i}."),
+             "mixtral": (("model.",), "layers.{i}.")}
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
@@ -251,7 +319,9 @@ def _full(prefix: str, name: str) -> str:
 
 
 def _maps(arch: str, cfg: ModelConfig, flags: dict):
-    return _gpt2_maps(cfg) if arch == "gpt2" else _llama_maps(cfg, flags)
+    if arch == "gpt2":
+        return _gpt2_maps(cfg)
+    return (_mixtral_maps if arch == "mixtral" else _llama_maps)(cfg, flags)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -267,19 +337,21 @@ def _span(dims: tuple[int, ...], index: list[tuple[int, int]]) -> tuple[int, int
     return lo * inner, hi * inner, tuple(slice(a, b) for a, b in rest)
 
 
-def _read_part(src: Checkpoint, name: str, part: _Part, index: list[tuple[int, int]]) -> np.ndarray:
-    """The block `index` ((start, stop) per jaxperf dim) of the jaxperf tensor `part` of HF tensor `name`, reading
-    only the rows and columns of the HF tensor that hold it."""
+def _read_part(src: Checkpoint, name: str, part: _Part, index: list[tuple[int, int]],
+               lead: tuple[int, ...] = ()) -> np.ndarray:
+    """The block `index` ((start, stop) per jaxperf dim) of the jaxperf tensor `part` of HF tensor `name` (of its
+    slice `lead` along its leading dims: an expert of a fused tensor), reading only the rows and columns of the HF
+    tensor that hold it."""
     n = len(part.rows)
     r_lo, r_hi, r_sub = _span(part.rows, index[:n])
     c_lo, c_hi, c_sub = _span(part.cols, index[n:])
     c_lo, c_hi = c_lo + part.offset, c_hi + part.offset
     if not part.rows:
-        block = src.read(name, (slice(c_lo, c_hi),))
+        block = src.read(name, (*lead, slice(c_lo, c_hi)))
     elif part.t:
-        block = src.read(name, (slice(c_lo, c_hi), slice(r_lo, r_hi))).T
+        block = src.read(name, (*lead, slice(c_lo, c_hi), slice(r_lo, r_hi))).T
     else:
-        block = src.read(name, (slice(r_lo, r_hi), slice(c_lo, c_hi)))
+        block = src.read(name, (*lead, slice(r_lo, r_hi), slice(c_lo, c_hi)))
     lead = (index[0][1] - index[0][0],) if part.rows else ()
     shape = lead + part.rows[1:] + (index[n][1] - index[n][0],) + part.cols[1:]
     return block.reshape(shape)[(slice(None),) * bool(part.rows) + r_sub + (slice(None),) + c_sub]
@@ -332,6 +404,8 @@ def _hf_config_to_jaxperf(hf: dict) -> tuple[str, ModelConfig, dict]:
     arch = _architecture(hf)
     if arch == "gpt2":
         cfg, flags = _gpt2_config(hf), {}
+    elif arch == "mixtral":
+        cfg, flags = _mixtral_config(hf)
     else:
         cfg, flags = _llama_config(hf)
     return arch, validate_model(cfg), flags
@@ -378,7 +452,7 @@ class _Plan:
     prefix: str
     layer_fmt: str
     top: dict[str, tuple[str, _Part]]  # jaxperf path -> (full HF name, part)
-    layer: dict[str, tuple[str, _Part]]  # per-layer jaxperf path -> (HF name relative to the layer, part)
+    layer: dict[str, tuple[_Map, _Part]]  # per-layer jaxperf path -> (its map, HF names relative to the layer)
 
     def reader(self, path: tuple[str, ...], dtype) -> Callable[[list[tuple[int, int]]], np.ndarray]:
         """`read(index) -> np.ndarray` in `dtype`: a block ((start, stop) per dim) of the leaf at `path` (zeros for
@@ -393,11 +467,17 @@ class _Plan:
         source = self.layer.get(".".join(path[1:] if stacked else path[2:]))
         if source is None:
             return zeros
-        name, part = source
+        m, part = source
 
         def layer(i: int, index) -> np.ndarray:
-            full = self.prefix + self.layer_fmt.format(i=i) + name
-            return _read_part(self.src, full, part, index).astype(dtype, copy=False)
+            base = self.prefix + self.layer_fmt.format(i=i)
+            if not m.experts:
+                return _read_part(self.src, base + m.hf, part, index).astype(dtype, copy=False)
+            out = np.empty([b - a for a, b in index], dtype)  # expert by expert, in place
+            for e, j in enumerate(range(*index[0])):
+                name, lead = m.expert_source(j)
+                out[e] = _read_part(self.src, base + name, part, index[1:], lead)
+            return out
 
         if not stacked:
             return lambda index: layer(int(path[1]), index)
@@ -419,24 +499,27 @@ def _plan(directory: str, **overrides) -> _Plan:
     src = Checkpoint(directory)
     model_prefixes, layer_fmt = _PREFIXES[arch]
     prefix = next((p for p in model_prefixes if any(k.startswith(p) for k in src.shapes)), model_prefixes[-1])
+    if arch == "mixtral":  # the layout of the experts: hub (one tensor per expert) or fused
+        flags["fused"] = any(k.endswith(".mlp.experts.gate_up_proj") for k in src.shapes)
     layer_maps, top_maps = _maps(arch, cfg, flags)
 
-    wanted: list[tuple[str, _Map]] = [(_full(prefix, m.hf), m) for m in top_maps]
+    wanted: list[tuple[str, tuple[int, ...], _Map]] = [(_full(prefix, m.hf), m.hf_shape, m) for m in top_maps]
     for i in range(cfg.n_layers):
-        wanted += [(prefix + layer_fmt.format(i=i) + m.hf, m) for m in layer_maps]
-    missing = [name for name, _ in wanted if name not in src.shapes]
+        wanted += [(prefix + layer_fmt.format(i=i) + name, shape, m)
+                   for m in layer_maps for name, shape, _ in m.stored()]
+    missing = [name for name, _, _ in wanted if name not in src.shapes]
     if missing:
         raise HFCheckpointError(f"{len(missing)} tensor(s) missing from {directory} for a {SUPPORTED[arch]} with "
                                 f"{cfg.n_layers} layers: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    known = {name for name, _ in wanted} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    known = {name for name, _, _ in wanted} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
     extra = sorted(k for k in src.shapes if k not in known and not k.endswith(_IGNORED_SUFFIXES))
     if extra:
         raise HFCheckpointError(f"{len(extra)} tensor(s) in {directory} have no place in jaxperf's model (a feature "
                                 f"it lacks, or more layers than config.json says): {extra[:5]}")
-    for name, m in wanted:
-        if src.shapes[name] != m.hf_shape:
+    for name, shape, m in wanted:
+        if src.shapes[name] != shape:
             raise HFCheckpointError(f"tensor {name} has shape {src.shapes[name]} but config.json implies "
-                                    f"{m.hf_shape}: the config and the weights disagree")
+                                    f"{shape}: the config and the weights disagree")
         if m.zero_only:
             a = src.read(name).astype(np.float32)
             if np.any(a != 0):
@@ -444,7 +527,7 @@ def _plan(directory: str, **overrides) -> _Plan:
                     f"{name} is non-zero (max |b| = {float(np.max(np.abs(a))):.3g}): jaxperf's SwiGLU has biases on "
                     f"the up and down projections only, so this checkpoint cannot be represented exactly")
     top = {p.jp: (_full(prefix, m.hf), p) for m in top_maps for p in m.parts}
-    layer = {p.jp: (m.hf, p) for m in layer_maps for p in m.parts}
+    layer = {p.jp: (m, p) for m in layer_maps for p in m.parts}
     return _Plan(arch, cfg, src, prefix, layer_fmt, top, layer)
 
 
@@ -563,7 +646,15 @@ def _export_check(cfg: ModelConfig, arch: str) -> None:
     need = {
         "gpt2": {"norm": "layernorm", "position": "learned", "mlp_act": ("gelu", "gelu_exact"), "use_bias": True},
         "llama": {"norm": "rmsnorm", "position": "rope", "mlp_act": "swiglu"},
+        "mixtral": {"norm": "rmsnorm", "position": "rope", "mlp_act": "swiglu", "use_bias": False, "router": "softmax",
+                    "moe_every": 1, "n_shared_experts": 0},
     }[arch]
+    if arch == "mixtral" and not cfg.n_experts:
+        raise HFCheckpointError("cannot export a dense model (model.n_experts=0) as MixtralForCausalLM: export it as "
+                                "'llama'")
+    if arch != "mixtral" and cfg.n_experts:
+        raise HFCheckpointError(f"cannot export a mixture-of-experts model (model.n_experts={cfg.n_experts}) as "
+                                f"{SUPPORTED[arch]}: export it as 'mixtral'")
     for key, value in need.items():
         ok = value if isinstance(value, tuple) else (value,)
         if getattr(cfg, key) not in ok:
@@ -599,6 +690,18 @@ def _hf_config(cfg: ModelConfig, arch: str, flags: dict, dtype: str) -> dict:
             "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True, "torch_dtype": dtype,
         }
     theta = float(cfg.rope_theta)
+    if arch == "mixtral":
+        return {
+            "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.moe_mlp_dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "router_jitter_noise": 0.0, "sliding_window": None,
+            "output_router_logits": False, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": dtype,
+        }
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.n_layers,
@@ -610,28 +713,29 @@ def _hf_config(cfg: ModelConfig, arch: str, flags: dict, dtype: str) -> dict:
     }
 
 
-def _host(x, layer: int | None = None) -> np.ndarray:
-    """A parameter (or one layer of a stacked one) on the host, copied shard by shard from its devices: the host
-    holds this one tensor, the devices keep theirs."""
+def _host(x, lead: tuple[int, ...] = ()) -> np.ndarray:
+    """A parameter, or its slice `lead` along its leading dims (one layer of a stacked one, one expert), on the host,
+    copied shard by shard from its devices: the host holds this one tensor, the devices keep theirs."""
     if not isinstance(x, jax.Array):
-        a = np.asarray(x)
-        return a if layer is None else a[layer]
+        return np.asarray(x)[lead]
     if not x.is_fully_addressable:
         raise HFCheckpointError("export_hf writes from one process: this parameter is spread over several processes; "
                                 "export the run's checkpoint with `jaxperf export` (one process) instead")
-    shape = x.shape if layer is None else x.shape[1:]
+    n = len(lead)
+    shape = x.shape[n:]
     out = np.empty(shape, x.dtype)
     done = set()
     for shard in x.addressable_shards:
         index, data = shard.index, shard.data
-        if layer is not None:
-            lo, hi, _ = index[0].indices(x.shape[0])
-            if not lo <= layer < hi:
+        if n:
+            spans = [s.indices(d)[:2] for s, d in zip(index[:n], x.shape[:n])]
+            if not all(lo <= i < hi for (lo, hi), i in zip(spans, lead)):
                 continue
-            # On CPU the shard is host memory already: take the layer as a view. Elsewhere slice on the device, so
-            # that only this layer crosses to the host.
+            local = tuple(i - lo for (lo, _), i in zip(spans, lead))
+            # On CPU the shard is host memory already: take the slice as a view. Elsewhere slice on the device, so
+            # that only this slice crosses to the host.
             on_host = shard.device.platform == "cpu"
-            index, data = index[1:], (np.asarray(data)[layer - lo] if on_host else data[layer - lo])
+            index, data = index[n:], (np.asarray(data)[local] if on_host else data[local])
         key = tuple(s.indices(d)[:2] for s, d in zip(index, shape))
         if key not in done:
             done.add(key)
@@ -682,7 +786,8 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
       cfg: the model's ModelConfig.
       params: pure-dict parameters (`TrainState.params`, sharded jax Arrays or numpy) or a jaxperf GPT module.
       directory: created if needed; existing config files and model*.safetensors are replaced.
-      arch: "gpt2" (GPT2LMHeadModel) or "llama" (LlamaForCausalLM); None picks cfg.style.
+      arch: "gpt2" (GPT2LMHeadModel), "llama" (LlamaForCausalLM) or "mixtral" (MixtralForCausalLM, the experts in
+        the hub layout: one w1/w2/w3 per expert); None picks "mixtral" for an MoE model, else cfg.style.
       special_tokens: {"bos_token_id", "eos_token_id", "pad_token_id"} (missing ones are written as null), e.g.
         `jaxperf.data.special_token_ids(source_dir)` or the tokenizer's ids.
       generation_config: the source's generation_config.json (`read_generation_config`); the special token ids fill
@@ -695,7 +800,7 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
     Returns the weight files written. Rows of a padded vocabulary (cfg.padded_vocab > cfg.vocab_size) are dropped.
     """
     cfg = validate_model(cfg)
-    arch = arch or cfg.style
+    arch = arch or ("mixtral" if cfg.n_experts else cfg.style)
     if arch not in SUPPORTED:
         raise HFCheckpointError(f"arch={arch!r}: export supports {sorted(SUPPORTED)}")
     if dtype not in EXPORT_DTYPES:
@@ -709,7 +814,7 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
 
     V = cfg.vocab_size
     trim = {"embed_VxD": lambda a: a[:V], "head_DxV": lambda a: a[:, :V]}
-    flags = _llama_bias_flags(cfg, params)
+    flags = {"fused": False} if arch == "mixtral" else _llama_bias_flags(cfg, params)
     out_cfg = dataclasses.replace(cfg, vocab_multiple=1)
     layer_maps, top_maps = _maps(arch, out_cfg, flags)
     prefix, layer_fmt = _PREFIXES[arch][0][0], _PREFIXES[arch][1]
@@ -717,15 +822,19 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
     def top_value(path: str) -> np.ndarray:
         return trim.get(path, lambda a: a)(_host(_get(params, path)))
 
-    def layer_value(i: int, path: str) -> np.ndarray:
+    def layer_value(i: int, path: str, expert: int | None) -> np.ndarray:
+        lead = () if expert is None else (expert,)
         if cfg.scan_layers:
-            return _host(_get(params["blocks"], path), layer=i)
-        return _host(_get(params["blocks"][i], path))
+            return _host(_get(params["blocks"], path), (i, *lead))
+        return _host(_get(params["blocks"][i], path), lead)
 
     tensors = [(_full(prefix, m.hf), m.hf_shape, lambda m=m: _to_hf(m, top_value)) for m in top_maps]
     for i in range(cfg.n_layers):
-        tensors += [(prefix + layer_fmt.format(i=i) + m.hf, m.hf_shape,
-                     lambda i=i, m=m: _to_hf(m, lambda path: layer_value(i, path))) for m in layer_maps]
+        for m in layer_maps:
+            assert not m.experts or "{j}" in m.hf, "export writes one tensor per expert"
+            tensors += [(prefix + layer_fmt.format(i=i) + name, shape,
+                         lambda i=i, m=m, j=j: _to_hf(m, lambda path: layer_value(i, path, j)))
+                        for name, shape, j in m.stored()]
     special = {key: (special_tokens or {}).get(key) for key in SPECIAL_TOKENS}
     os.makedirs(directory, exist_ok=True)
     files = write_shards(directory, tensors, jnp.dtype(dtype), max_bytes)
