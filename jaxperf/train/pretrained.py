@@ -124,12 +124,17 @@ class InitSource:
         return cls(p, kind, validate_model(run_cfg.model), run_cfg)
 
     @property
+    def arch(self) -> str:
+        """The Hugging Face architecture the source's model is: mixtral for an MoE model, else its style."""
+        return "mixtral" if self.model.n_experts else self.model.style
+
+    @property
     def changeable(self) -> tuple[str, ...]:
         """Model fields this run may set differently from the checkpoint."""
         return RUNTIME_FIELDS if self.kind == "hf" else tuple(f for f in RUNTIME_FIELDS if f not in _RUN_FIXED)
 
     def describe(self) -> str:
-        return f"{self.path} ({'Hugging Face ' + self.model.style if self.kind == 'hf' else 'jaxperf run'})"
+        return f"{self.path} ({'Hugging Face ' + self.arch if self.kind == 'hf' else 'jaxperf run'})"
 
     def configure(self, cfg: TrainConfig, explicit: Collection[str] | None = None) -> TrainConfig:
         """cfg with init_from made absolute, the checkpoint's model (`merge_model`) and its tokenizer.
@@ -176,7 +181,7 @@ class InitSource:
         record: dict[str, Any] = {"path": str(self.path), "format": "hf" if self.kind == "hf" else "jaxperf"}
         if self.kind == "hf":
             params = load_hf_params(str(self.path), model, task.param_shardings)
-            record.update(arch=self.model.style, special_tokens=self.special_tokens(),
+            record.update(arch=self.arch, special_tokens=self.special_tokens(),
                           generation_config=read_generation_config(str(self.path)))
         else:
             with Checkpointer(self.path / "checkpoints", read_only=True) as ckpt:
