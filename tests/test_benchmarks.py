@@ -142,7 +142,8 @@ def test_parallel_tiny_times_each_kind_of_pair(tmp_path):
     assert {r["name"] for r in recs} == {*chosen, "memory/stage2-1f1b", "memory/stage2-gpipe"}
     assert not [r for r in recs if r.get("error")], [r["error"] for r in recs if r.get("error")]
     by_name = {r["name"]: r for r in recs}
-    assert by_name["jit/stage2+seq2+fsdp"]["mesh"] == {"data": 1, "stage": 2, "fsdp": 2, "seq": 2, "tensor": 1}
+    assert by_name["jit/stage2+seq2+fsdp"]["mesh"] == {"data": 1, "stage": 2, "fsdp": 2, "expert": 1, "seq": 2,
+                                                       "tensor": 1}
     one_f_one_b, gpipe = by_name["memory/stage2-1f1b"], by_name["memory/stage2-gpipe"]
     assert 0 < one_f_one_b["value"] < gpipe["value"] and one_f_one_b["ratio_1f1b_to_gpipe"] < 1
     assert one_f_one_b["value"] == by_name["jit/stage2-1f1b"]["temp_bytes"]

@@ -324,7 +324,8 @@ def test_cli_train_with_shard_map_flavour(tmp_path):
     out = run_cli(tmp_path, "train", *SMALL_RUN, "max_steps=3", "parallel.flavour=shard_map", "run_dir=run",
                   devices=4)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "strategy fsdp, flavour shard_map, mesh data=1 stage=1 fsdp=4 seq=1 tensor=1" in out.stdout, out.stdout
+    assert "strategy fsdp, flavour shard_map, mesh data=1 stage=1 fsdp=4 expert=1 seq=1 tensor=1" in out.stdout, \
+        out.stdout
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values()))), losses

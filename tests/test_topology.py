@@ -102,7 +102,7 @@ def test_compile_a_four_axis_mesh_for_a_v5p_slice():
         assert out.returncode == 0, out.stderr[-3000:]
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     r = runs["4d"]
-    assert r["chips"] == 16 and r["mesh"] == {"data": 2, "stage": 2, "fsdp": 2, "seq": 2, "tensor": 1}
+    assert r["chips"] == 16 and r["mesh"] == {"data": 2, "stage": 2, "fsdp": 2, "expert": 1, "seq": 2, "tensor": 1}
     b, plain = r["bytes_per_chip"], runs["plain"]["bytes_per_chip"]
     # 0.83x with libtpu 0.0.42 (the plain run takes the chunked loss, whose backward sums dW one vocabulary block
     # at a time; with the sequence split the 4-D run keeps the XLA loss)
