@@ -35,7 +35,7 @@ def make_mesh(parallel: ParallelConfig, devices: list[jax.Device] | None = None)
 
 
 def _hybrid_mesh(shape: tuple[int, ...], slices: int, devices: list) -> Mesh:
-    """data x fsdp x tensor with `data` split as (slices x per-slice data), devices grouped by slice_index."""
+    """The mesh with `data` split as (slices x per-slice data), devices grouped by slice_index."""
     found = sorted({getattr(d, "slice_index", None) for d in devices}, key=str)
     if None in found or len(found) != slices:
         raise ConfigError(
@@ -43,7 +43,7 @@ def _hybrid_mesh(shape: tuple[int, ...], slices: int, devices: list) -> Mesh:
             f"{'no slice (they have no slice_index)' if None in found else f'{len(found)} slice(s)'}: use "
             f"dcn_data=1 on a single slice, or set it to the number of slices of the job")
     ici = (shape[0] // slices, *shape[1:])
-    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices)
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices,) + (1,) * (len(shape) - 1), devices)
     return _compat.make_mesh(shape, MESH_AXES, devices=list(grid.flat))
 
 
