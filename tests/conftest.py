@@ -14,6 +14,15 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # its own programs, and nothing the tests compile lands in, or is read from, the user's cache or another worker's.
 # A test of the cache names a directory of its own.
 os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# XLA:CPU (jaxlib 0.10) runs the devices' parts of programs and the per-device launches of multi-device programs on
+# one pool of max(cores, devices) threads: 8 on a 2-core host. A launch waiting for its device's in-flight limit holds
+# a thread, as does each device waiting in a collective for the others; once they hold all 8, the work that would free
+# the limit or join the collective never runs, and XLA aborts the process after 40 s ("Termination timeout for `all
+# reduce RendezvousKey{...}` ... but only 7 of them arrived on time"). Under load that lost a pytest-xdist worker in
+# whichever test dispatched op by op on sharded arrays. 32 threads hold a blocked collective (7) and the launches of
+# two dispatching threads (8 each) with room to spare. XLA reads PJRT_NPROC when it makes the CPU client; the
+# `jaxperf` subprocesses of the tests inherit it.
+os.environ.setdefault("PJRT_NPROC", "32")
 
 import jax  # noqa: E402
 

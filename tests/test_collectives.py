@@ -1,10 +1,14 @@
 """Hand-written collectives equal their lax twins on sub-meshes of the 8 CPU devices; the cost model's formulas,
-orderings and fit; the collective matmuls equal gather-then-matmul and matmul-then-scatter.
+orderings and fit; the collective matmuls equal gather-then-matmul and matmul-then-scatter; XLA:CPU has threads
+enough for a blocked collective beside the next program's launches.
 
 Each all-reduce is checked on several awkward sizes at once (one compile per algorithm, n and dtype) and its program
 is checked to be made of the expected number of ppermutes: an implementation that quietly called psum would pass a
 numbers-only test.
 """
+
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -135,6 +139,30 @@ def test_ring_on_three_devices():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 10)), jnp.float32)
     got = per_device(lambda v: C.bidirectional_ring_all_reduce(C.ring_all_reduce(v, "x"), "x"), 3)(x)
     np.testing.assert_allclose(np.asarray(got), np.broadcast_to(3 * x.sum(0), (3, 10)), rtol=1e-5, atol=1e-5)
+
+
+def _threads_named(name: str) -> int:
+    count = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            count += (task / "comm").read_text().strip() == name
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return count
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts XLA's threads through /proc (Linux)")
+def test_xla_cpu_has_threads_for_a_blocked_collective_beside_the_next_launches():
+    # XLA:CPU runs the devices' parts of programs and the per-device launches of multi-device programs on one pool, by
+    # default of max(cores, devices) threads. With 8, 7 devices waiting in a collective and a launch waiting for the
+    # 8th device's in-flight limit leave that device no thread: XLA aborts the process after 40 s. conftest sets
+    # PJRT_NPROC so that a blocked collective and two threads' launches fit (tests/conftest.py says more).
+    n = len(jax.devices("cpu"))
+    pool = _threads_named("tf_XLAEigen")
+    assert pool >= (n - 1) + 2 * n, (
+        f"XLA:CPU's pool has {pool} threads for {n} devices: a collective blocked on {n - 1} of them and the next "
+        f"program's launches can take them all, and XLA aborts after 40 s. tests/conftest.py sets PJRT_NPROC before "
+        f"JAX makes its CPU client (here PJRT_NPROC={os.environ.get('PJRT_NPROC')!r})")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
