@@ -163,3 +163,20 @@ def test_meshes_whose_collectives_xla_cpu_runs_out_of_order_are_refused_on_cpu_o
     tp = {"data": 1, "stage": 2, "fsdp": 2, "seq": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="stage x fsdp x sequence_parallel"):
         cpu_host.check_collective_order(get_config("tiny", ["parallel.sequence_parallel=true"]), tp, "cpu")
+
+
+def test_jaxperf_gives_xla_cpu_threads_for_its_simulated_devices(monkeypatch):
+    """XLA:CPU's pool of max(cores, devices) threads can deadlock a collective of 8 simulated devices on 2 cores
+    (tests/test_collectives.py checks the pool the tests run with): `jaxperf` sizes it through PJRT_NPROC unless the
+    user did."""
+    many = {"XLA_FLAGS": "--xla_cpu_foo=1 --xla_force_host_platform_device_count=8"}
+    assert cpu_host.cpu_threads_env(many) == {"PJRT_NPROC": str(max(32, os.cpu_count()))}
+    assert cpu_host.cpu_threads_env({**many, "PJRT_NPROC": "12"}) == {}  # the user's setting stands
+    assert cpu_host.cpu_threads_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}) == {}
+    assert cpu_host.cpu_threads_env({}) == {}
+    from jaxperf import cli
+
+    monkeypatch.delenv("PJRT_NPROC", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=16")
+    assert cli.main(["--help"]) == 0
+    assert os.environ["PJRT_NPROC"] == str(max(64, os.cpu_count()))

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit code (2 for a usage error; the codes are in jaxperf.cli._errors)."""
     # Without an accelerator plugin JAX's backend probing prints warnings; an explicit JAX_PLATFORMS still wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.update(cpu_host.cpu_threads_env(dict(os.environ)))  # before JAX makes its CPU client
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -10,6 +10,12 @@
 - **Collective order.** XLA:CPU runs some programs' collectives in different orders on different devices, where a
   step hangs and then aborts: `check_collective_order` refuses those meshes before compiling (`build_task` calls
   it).
+- **Threads for simulated devices.** XLA:CPU (jaxlib 0.10) runs every device's part of a program, and each launch
+  of a multi-device program, on one pool of max(cores, devices) threads. With 8 simulated devices on a 2-core host a
+  collective waiting for its last devices beside the next program's launches can take all 8: the devices it waits for
+  never run, and XLA aborts the process after 40 s ("Termination timeout for `all gather RendezvousKey`... only 5 of
+  them arrived on time"). `cpu_threads_env` sizes the pool at 4 threads per simulated device (at least the cores)
+  through PJRT_NPROC, which XLA reads when it creates the CPU client; `jaxperf` sets it at start-up unless it is set.
 - The model's CPU settings (`matmul_grad_barrier` on, the scan of a shallow stack unrolled) are config fields,
   settled with the others in `jaxperf.models.platform.settle`: the model sees settings, not backends.
 
@@ -32,6 +38,7 @@ import ctypes
 import functools
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +152,19 @@ def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
     if _tunable_value(env) is None:
         out["GLIBC_TUNABLES"] = ":".join(x for x in (env.get("GLIBC_TUNABLES", ""), f"{TUNABLE}=1") if x)
     return out
+
+
+def cpu_threads_env(env: dict[str, str]) -> dict[str, str]:
+    """What to add to `env` so that XLA:CPU's thread pool holds a blocked collective of its simulated devices beside
+    the next programs' launches (module docstring): {"PJRT_NPROC": 4 x devices, at least the cores} where
+    XLA_FLAGS asks for more than one host device and PJRT_NPROC is unset, else {}."""
+    if "PJRT_NPROC" in env:
+        return {}
+    found = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
+    devices = int(found.group(1)) if found else 1
+    if devices <= 1:
+        return {}
+    return {"PJRT_NPROC": str(max(4 * devices, os.cpu_count() or 1))}
 
 
 def reexec_with_huge_pages() -> bool:
