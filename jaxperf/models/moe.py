@@ -82,25 +82,38 @@ def route(logits_TxE: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Ar
     return weights_TxK, experts_TxK.astype(jnp.int32), probs
 
 
-def balance_shares(probs_TxE: jax.Array, experts_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(f [E], P [E]): the share of the T * K token slots routed to each expert, and its mean router probability."""
-    E = probs_TxE.shape[-1]
-    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
-    return f_E, jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
+def _identity(v):
+    return v
 
 
-def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array) -> jax.Array:
+def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array, mean=_identity) -> jax.Array:
     """E * sum_e f_e * P_e (Switch Transformer): f_e the share of the T * K token slots routed to expert e, P_e the
     mean router probability of e. 1 when routing is uniform, E when every token goes to one expert (with all its
-    probability); only P carries a gradient."""
-    f_E, p_E = balance_shares(probs_TxE, experts_TxK)
-    return probs_TxE.shape[-1] * jnp.sum(f_E * p_E)
+    probability); only P carries a gradient. `mean` averages f and P over the devices that split the tokens."""
+    E = probs_TxE.shape[-1]
+    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
+    p_E = jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
+    return E * jnp.sum(mean(f_E) * mean(p_E))
 
 
 def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
     """Mean over tokens of logsumexp(logits)^2 (ST-MoE): keeps the router logits small, so its softmax stays
     accurate in low precision."""
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)))
+
+
+def _routed(x_BxLxD, router_DxE, k: int, router: str):
+    """(x [T, D], router logits [T, E] fp32, weights [T, K], experts [T, K], probs [T, E]) of a batch's tokens."""
+    x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
+    logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
+    return (x_TxD, logits_TxE, *route(logits_TxE, k, router))
+
+
+def _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean=_identity) -> dict[str, jax.Array]:
+    """The layer's router statistics (STATS); `mean` averages over the devices that split the tokens (each holds
+    as many)."""
+    return {"aux_loss": load_balancing_loss(probs_TxE, experts_TxK, mean), "z_loss": mean(router_z_loss(logits_TxE)),
+            "dropped": mean(dropped)}
 
 
 def _activate(h, gate, act: str):
@@ -146,20 +159,16 @@ class MoE(nnx.Module):
             if self.shared is not None:
                 y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
             return checkpoint_name(y_BxLxD, "mlp_out"), stats
-        B, L, D = x_BxLxD.shape
-        x_TxD = x_BxLxD.reshape(B * L, D)
-        logits_TxE = x_TxD.astype(jnp.float32) @ self.router_DxE[...].astype(jnp.float32)
-        weights_TxK, experts_TxK, probs_TxE = route(logits_TxE, self.k, self.router)
+        x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
+                                                                          self.router)
         if self.capacity_factor > 0:
             y_TxD, dropped = self._capacity(x_TxD, weights_TxK, experts_TxK)
         else:
             y_TxD, dropped = self._dropless(x_TxD, weights_TxK, experts_TxK), jnp.zeros((), jnp.float32)
-        y_BxLxD = y_TxD.reshape(B, L, D)
+        y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
-        stats = {"aux_loss": load_balancing_loss(probs_TxE, experts_TxK), "z_loss": router_z_loss(logits_TxE),
-                 "dropped": dropped}
-        return checkpoint_name(y_BxLxD, "mlp_out"), stats
+        return checkpoint_name(y_BxLxD, "mlp_out"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
 
     def _dropless(self, x_TxD, weights_TxK, experts_TxK):
         """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
@@ -177,11 +186,8 @@ class MoE(nnx.Module):
         E = self.w_in_ExDxF.shape[0]
 
         def local(x_BxLxD, router_DxE, weights):
-            B, L, D = x_BxLxD.shape
-            x_TxD = x_BxLxD.reshape(B * L, D)
-            logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
-            weights_TxK, experts_TxK, probs_TxE = route(logits_TxE, k, router)
-            T, n = B * L, jax.lax.axis_size(axis)
+            x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router)
+            T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
@@ -190,12 +196,10 @@ class MoE(nnx.Module):
             rows_y = _expert_mlp(rows_x, rows_e, weights, act)
             out_SxD = ep.combine(rows_y, plan, axis)
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
-            # the router losses of the whole batch: every device holds as many tokens
-            mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else (lambda v: v)  # noqa: E731
-            f_E, p_E = balance_shares(probs_TxE, experts_TxK)
-            stats = {"aux_loss": E * jnp.sum(mean(f_E) * mean(p_E)), "z_loss": mean(router_z_loss(logits_TxE)),
-                     "dropped": 1.0 - mean(jnp.mean(plan.keep_S.astype(jnp.float32)))}
-            return y_TxD.reshape(B, L, D), stats
+            # the router losses of the whole batch
+            mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
+            dropped = 1.0 - jnp.mean(plan.keep_S.astype(jnp.float32))
+            return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
 
         weights = self._weights(x_BxLxD.dtype)
         w_specs = tuple(None if w is None else P(axis) for w in weights)
@@ -211,8 +215,7 @@ class MoE(nnx.Module):
         C = capacity(T, K, E, self.capacity_factor)
         w_in, w_gate, w_out, b_in, b_out = self._weights(x_TxD.dtype)
         experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
-        onehot_SxE = jax.nn.one_hot(experts_S, E, dtype=jnp.int32)
-        position_S = jnp.sum((jnp.cumsum(onehot_SxE, axis=0) - 1) * onehot_SxE, axis=-1)  # rank within its expert
+        position_S = ep.ranks_within_groups(experts_S, E)
         keep_S = position_S < C
         tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
         # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").

@@ -54,14 +54,14 @@ def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, ca
     if capacity is None:
         order_S = jnp.argsort(experts_S, stable=True)
         rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(jnp.arange(S, dtype=jnp.int32))  # place in expert order
-        start_N = jnp.cumsum(jnp.bincount(dest_S, length=n_shards)) - jnp.bincount(dest_S, length=n_shards)
-        row_S = rank_S - start_N[dest_S].astype(jnp.int32)
+        counts_N = jnp.bincount(dest_S, length=n_shards)
+        row_S = rank_S - (jnp.cumsum(counts_N) - counts_N)[dest_S].astype(jnp.int32)
         return SendPlan(dest_S, row_S, jnp.ones(S, bool), local_S, S, experts_per_shard)
-    order_S = jnp.arange(S) if priority_S is None else priority_S
-    by_priority = experts_S[order_S]
-    onehot = jax.nn.one_hot(by_priority, n_shards * experts_per_shard, dtype=jnp.int32)
-    rank_by_priority = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)
-    rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(rank_by_priority.astype(jnp.int32))
+    if priority_S is None:
+        rank_S = ranks_within_groups(experts_S, n_shards * experts_per_shard)
+    else:
+        rank_S = jnp.zeros(S, jnp.int32).at[priority_S].set(
+            ranks_within_groups(experts_S[priority_S], n_shards * experts_per_shard))
     keep_S = rank_S < capacity
     row_S = local_S * capacity + jnp.minimum(rank_S, capacity - 1)
     return SendPlan(dest_S, row_S, keep_S, local_S, experts_per_shard * capacity, experts_per_shard)
@@ -75,7 +75,8 @@ def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, ja
     # a dropped slot is written nowhere: its (dest, row) is pointed out of the buffer and the scatter drops it
     dest_S = jnp.where(plan.keep_S, plan.dest_S, n)
     send_x = jnp.zeros((n, plan.rows, D), x_SxD.dtype).at[dest_S, plan.row_S].set(x_SxD, mode="drop")
-    send_e = jnp.full((n, plan.rows), plan.experts_per_shard, jnp.int32).at[dest_S, plan.row_S].set(plan.local_expert_S, mode="drop")
+    send_e = jnp.full((n, plan.rows), plan.experts_per_shard, jnp.int32).at[dest_S, plan.row_S].set(
+        plan.local_expert_S, mode="drop")
     recv_x = jax.lax.all_to_all(send_x, axis, 0, 0, tiled=True)
     recv_e = jax.lax.all_to_all(send_e, axis, 0, 0, tiled=True)
     return recv_x.reshape(n * plan.rows, D), recv_e.reshape(n * plan.rows)
@@ -87,6 +88,12 @@ def combine(rows_y: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
     back = jax.lax.all_to_all(rows_y.reshape(n, plan.rows, -1), axis, 0, 0, tiled=True)
     y_SxD = back[plan.dest_S, plan.row_S]
     return jnp.where(plan.keep_S[:, None], y_SxD, jnp.zeros((), y_SxD.dtype))
+
+
+def ranks_within_groups(groups_S: jax.Array, n_groups: int) -> jax.Array:
+    """Each slot's rank [S] among the slots of its group (ids in [0, n_groups)), counted in slot order."""
+    onehot_SxG = jax.nn.one_hot(groups_S, n_groups, dtype=jnp.int32)
+    return jnp.sum((jnp.cumsum(onehot_SxG, axis=0) - 1) * onehot_SxG, axis=-1).astype(jnp.int32)
 
 
 def group_rows(rows_e: jax.Array, n_groups: int) -> tuple[jax.Array, jax.Array]:
