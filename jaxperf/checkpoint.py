@@ -50,6 +50,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 import jax
@@ -69,6 +70,9 @@ _SCALARS = (bool, int, float, np.generic)
 
 
 _logger = logging.getLogger("jaxperf.checkpoint")
+# Orbax's read coroutines, which a failed restore may create and drop without starting.
+_ORBAX_UNSTARTED_READS = (r"coroutine '(_read_array_index_and_device_put|_read_shard|_read_and_create_array|"
+                          r"async_deserialize)' was never awaited")
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
@@ -113,6 +117,9 @@ def _quiet_orbax_logging() -> None:
 
         hook._jaxperf = True
         sys.unraisablehook = hook
+    # The same dropped reads, when the restore fails before they start: Python warns once per coroutine at collection
+    # ("coroutine ... was never awaited", two lines each, at any time up to exit).
+    warnings.filterwarnings("ignore", message=_ORBAX_UNSTARTED_READS, category=RuntimeWarning)
 
 
 def _manager_options(keep: int, keep_every: int | None, async_save: bool,

@@ -211,6 +211,8 @@ pending = types.coroutine(lambda: (yield))()
 read = scope["_read_array_index_and_device_put"](pending)
 read.send(None)
 del read  # closed unfinished: Python reports the exception through sys.unraisablehook
+never = scope["_read_array_index_and_device_put"](pending)
+del never  # created, never started: Python warns "coroutine ... was never awaited"
 print("done")
 """
 
