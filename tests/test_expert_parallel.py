@@ -5,6 +5,7 @@ dropped."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +89,8 @@ EP_MESHES = {  # mesh, strategy
     "expert4_data2": (dict(data=2, fsdp=1, expert=4), "dp"),
     "expert2_fsdp2_tensor2": (dict(data=1, fsdp=2, expert=2, tensor=2), "fsdp_tp"),
     "expert2_seq2_data2": (dict(data=2, fsdp=1, expert=2, seq=2), "dp"),  # ring attention, tokens split over seq
+    # no expert axis: each device routes its own tokens through all the experts (moe.routes_per_device)
+    "fsdp4_data2": (dict(data=2, fsdp=4), "fsdp"),
 }
 # Shard shapes of the stacked experts [layers, E, D, F] / [layers, E, F, D] and the router [layers, D, E]: the expert
 # dim over `expert`, embed over fsdp, the expert's hidden dim over tensor; the router's expert dim never splits.
@@ -96,6 +99,7 @@ EXPERT_SHARDS = {
     "expert2_fsdp2_tensor2": {"w_in_ExDxF": (2, 4, 32, 128), "w_out_ExFxD": (2, 4, 128, 32),
                               "router_DxE": (2, 32, 8)},
     "expert2_seq2_data2": {"w_in_ExDxF": (2, 4, 64, 256), "w_out_ExFxD": (2, 4, 256, 64), "router_DxE": (2, 64, 8)},
+    "fsdp4_data2": {"w_in_ExDxF": (2, 8, 16, 256), "w_out_ExFxD": (2, 8, 256, 16), "router_DxE": (2, 16, 8)},
 }
 
 
@@ -115,8 +119,8 @@ def one_device():
     return _train(MOE, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "expert4_data2" else pytest.mark.slow)
-                                  for n in EP_MESHES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("expert4_data2", "fsdp4_data2")
+                                                  else pytest.mark.slow) for n in EP_MESHES])
 def test_the_expert_parallel_step_equals_one_device(name, one_device):
     mesh_kw, strategy = EP_MESHES[name]
     state, metrics = _train(MOE, mesh_kw, strategy)
@@ -131,6 +135,20 @@ def test_the_expert_parallel_step_equals_one_device(name, one_device):
         key = path.rsplit("/", 1)[-1]
         if key in EXPERT_SHARDS[name]:
             assert leaf.addressable_shards[0].data.shape == EXPERT_SHARDS[name][key], (name, path)
+
+
+def test_without_an_expert_axis_each_device_sorts_only_its_own_token_slots():
+    """Under jit alone the sort by expert would gather every slot of the batch onto every device (each then running
+    the experts on all of them); routed per device, the compiled step's sorts see 1/8 of the slots."""
+    task = make_task(MOE, ParallelConfig(strategy="fsdp", data=2, fsdp=4))
+    assert task.hooks is not None and task.hooks.experts is not None
+    batch = {k: jax.ShapeDtypeStruct((BATCH, SEQ), d, sharding=task.batch_sharding())
+             for k, d in (("inputs", jnp.int32), ("targets", jnp.int32), ("mask", jnp.float32))}
+    hlo = task.train_step().lower(task.abstract_state(), batch).compile().as_text()
+    slots = BATCH * SEQ * MOE.experts_per_token
+    sort_sizes = {int(m) for m in re.findall(r"s32\[(\d+)\]\{[^}]*\} sort\(", hlo)}
+    sort_sizes |= {int(m) for m in re.findall(r"\(s32\[(\d+)\]\{[^}]*\}, s32\[\d+\]\{[^}]*\}\) sort\(", hlo)}
+    assert slots // 8 in sort_sizes and slots not in sort_sizes, sorted(sort_sizes)
 
 
 @pytest.mark.slow

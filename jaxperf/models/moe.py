@@ -57,6 +57,19 @@ def is_moe_layer(cfg, layer: int) -> bool:
     return cfg.n_experts > 0 and (layer + 1) % cfg.moe_every == 0
 
 
+def routes_per_device(cfg, mesh_shape: dict[str, int]) -> bool:
+    """Whether the MoE layers of `cfg` (a TrainConfig) route each device's own tokens, under shard_map
+    (`MoE._expert_parallel`): always with an expert axis, and wherever the tokens are split over data, fsdp or seq
+    while the experts' width is not split over tensor. Under jit alone the sort of the token slots by expert does not
+    split over the devices that hold the tokens: the partitioner gathers every slot of the batch and each device runs
+    the experts on all of them (4x the work and the buffers on 4 data-parallel devices)."""
+    if not cfg.model.n_experts:
+        return False
+    if mesh_shape.get("expert", 1) > 1:
+        return True
+    return math.prod(mesh_shape.get(a, 1) for a in ("data", "fsdp", "seq")) > 1 and mesh_shape.get("tensor", 1) == 1
+
+
 def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
     """Slots each expert takes on the capacity path: ceil(factor * tokens * k / n_experts), at least 1."""
     return max(1, math.ceil(factor * tokens * k / n_experts))
@@ -161,21 +174,12 @@ class MoE(nnx.Module):
             return checkpoint_name(y_BxLxD, "mlp_out"), stats
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
                                                                           self.router)
-        if self.capacity_factor > 0:
-            y_TxD, dropped = self._capacity(x_TxD, weights_TxK, experts_TxK)
-        else:
-            y_TxD, dropped = self._dropless(x_TxD, weights_TxK, experts_TxK), jnp.zeros((), jnp.float32)
+        y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
+                                      self.capacity_factor, self.act)
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
         return checkpoint_name(y_BxLxD, "mlp_out"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
-
-    def _dropless(self, x_TxD, weights_TxK, experts_TxK):
-        """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
-        T, K = experts_TxK.shape
-        x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
-        out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), self._weights(x_TxD.dtype), self.act)
-        return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
     def _expert_parallel(self, x_BxLxD, mesh, axis: str):
         """The routed experts with their weights split over mesh axis `axis`: (y [B, L, D], stats), under shard_map
@@ -188,6 +192,10 @@ class MoE(nnx.Module):
         def local(x_BxLxD, router_DxE, weights):
             x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router)
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
+            mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
+            if n == 1:  # no expert axis: this device's tokens through all the experts, without all-to-all
+                y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act)
+                return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
@@ -197,41 +205,58 @@ class MoE(nnx.Module):
             out_SxD = ep.combine(rows_y, plan, axis)
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
             # the router losses of the whole batch
-            mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
             dropped = 1.0 - jnp.mean(plan.keep_S.astype(jnp.float32))
             return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
 
         weights = self._weights(x_BxLxD.dtype)
-        w_specs = tuple(None if w is None else P(axis) for w in weights)
+        split = P(axis) if mesh.shape[axis] > 1 else P()
+        w_specs = tuple(None if w is None else split for w in weights)
         run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, P(), w_specs),
                                 out_specs=(x_spec, P()))
         return run(x_BxLxD, self.router_DxE[...], weights)
 
-    def _capacity(self, x_TxD, weights_TxK, experts_TxK):
-        """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
-        any token's second (GShard), tokens in order within a choice, so overflow drops the later and lower choices."""
-        T, K = experts_TxK.shape
-        E = self.w_in_ExDxF.shape[0]
-        C = capacity(T, K, E, self.capacity_factor)
-        w_in, w_gate, w_out, b_in, b_out = self._weights(x_TxD.dtype)
-        experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
-        position_S = ep.ranks_within_groups(experts_S, E)
-        keep_S = position_S < C
-        tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
-        # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").
-        x_ExCxD = jnp.zeros((E, C, x_TxD.shape[1]), x_TxD.dtype).at[experts_S, position_S].add(
-            jnp.take(x_TxD, tokens_S, axis=0), mode="drop")
-        h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_in)
-        if b_in is not None:
-            h_ExCxF = h_ExCxF + b_in[:, None, :]
-        gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate) if w_gate is not None else None
-        out_ExCxD = jnp.einsum("ecf,efd->ecd", _activate(h_ExCxF, gate_ExCxF, self.act), w_out)
-        if b_out is not None:
-            out_ExCxD = out_ExCxD + b_out[:, None, :]
-        out_SxD = out_ExCxD[experts_S, jnp.minimum(position_S, C - 1)]
-        combine_S = weights_TxK.T.reshape(K * T) * keep_S  # a dropped slot adds nothing
-        out_KxTxD = (out_SxD * combine_S.astype(out_SxD.dtype)[:, None]).reshape(K, T, -1)
-        return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
+
+def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
+    """The routed experts on one device's tokens, with all E experts' `weights` at hand: (y [T, D], the share of
+    slots dropped), dropless (`factor` 0) or with a capacity."""
+    if factor > 0:
+        return _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor, act)
+    return _dropless(x_TxD, weights_TxK, experts_TxK, weights, act), jnp.zeros((), jnp.float32)
+
+
+def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str):
+    """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
+    T, K = experts_TxK.shape
+    x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
+    out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act)
+    return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
+
+
+def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
+    """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
+    any token's second (GShard), tokens in order within a choice, so overflow drops the later and lower choices."""
+    T, K = experts_TxK.shape
+    w_in, w_gate, w_out, b_in, b_out = weights
+    E = w_in.shape[0]
+    C = capacity(T, K, E, factor)
+    experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
+    position_S = ep.ranks_within_groups(experts_S, E)
+    keep_S = position_S < C
+    tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
+    # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").
+    x_ExCxD = jnp.zeros((E, C, x_TxD.shape[1]), x_TxD.dtype).at[experts_S, position_S].add(
+        jnp.take(x_TxD, tokens_S, axis=0), mode="drop")
+    h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_in)
+    if b_in is not None:
+        h_ExCxF = h_ExCxF + b_in[:, None, :]
+    gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate) if w_gate is not None else None
+    out_ExCxD = jnp.einsum("ecf,efd->ecd", _activate(h_ExCxF, gate_ExCxF, act), w_out)
+    if b_out is not None:
+        out_ExCxD = out_ExCxD + b_out[:, None, :]
+    out_SxD = out_ExCxD[experts_S, jnp.minimum(position_S, C - 1)]
+    combine_S = weights_TxK.T.reshape(K * T) * keep_S  # a dropped slot adds nothing
+    out_KxTxD = (out_SxD * combine_S.astype(out_SxD.dtype)[:, None]).reshape(K, T, -1)
+    return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
 
 
 def _expert_mlp(x_RxD, expert_R, weights, act: str):

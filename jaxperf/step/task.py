@@ -31,6 +31,7 @@ from jaxperf import _compat
 from jaxperf.config import TrainConfig
 from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
 from jaxperf.models.hooks import ContextSpec, ExpertSpec, LayerHooks, PipelineSpec
+from jaxperf.models.moe import routes_per_device
 from jaxperf.models.platform import settle
 from jaxperf.parallel.mesh import platform_of
 from jaxperf.parallel.pipeline import split_microbatches
@@ -405,7 +406,7 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
     if mesh.shape.get("seq", 1) > 1:
         context = ContextSpec(mesh.shape["seq"], cfg.parallel.context_layout)
     sequence_parallel = mesh if cfg.parallel.sequence_parallel and mesh.shape.get("tensor", 1) > 1 else None
-    experts = ExpertSpec(mesh) if mesh.shape.get("expert", 1) > 1 else None
+    experts = ExpertSpec(mesh) if routes_per_device(cfg, dict(mesh.shape)) else None
     hooks = (LayerHooks(pipeline=pipeline, context=context, sequence_parallel=sequence_parallel, experts=experts)
              if pipeline or context or sequence_parallel is not None or experts else None)
     check_collective_order(cfg, dict(mesh.shape), platform_of(mesh))
