@@ -233,7 +233,7 @@ def test_an_unknown_router_is_refused_in_one_line():
         validate(dataclasses.replace(get_config("moe-tiny"), model=ModelConfig(n_experts=2, router="topk")), 8)
 
 
-def test_flops_count_the_active_experts_and_the_memory_estimate_says_it_cannot():
+def test_flops_count_the_active_experts():
     tiny, moe = get_config("tiny").model, get_config("moe-tiny").model
     # moe-tiny's two routed experts of 256 match tiny's 512-wide MLP: the router's D x E is all that is added
     assert matmul_params(moe) - matmul_params(tiny) == 4 * 128 * 8
@@ -241,5 +241,23 @@ def test_flops_count_the_active_experts_and_the_memory_estimate_says_it_cannot()
     assert matmul_params(wider) - matmul_params(moe) == 4 * 3 * (2 * 128 * 256)
     mixed = dataclasses.replace(moe, moe_every=2, scan_layers=False)  # layers 1 and 3 MoE, 0 and 2 dense
     assert matmul_params(mixed) - matmul_params(tiny) == 2 * 128 * 8
-    with pytest.raises(ConfigError, match=r"the memory estimate does not model MoE layers \(model.n_experts=8\)"):
-        estimate(get_config("moe-tiny"), 1, platform="gpu")
+
+
+def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_cast_expert_weights():
+    """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor) and
+    adds the compute-dtype copy of the stacked expert weights; tests/test_memory_tpu.py checks the totals against the
+    TPU compiler. Off TPU it refuses in one line."""
+    base = ["batch_size=16", "fsdp=4", "strategy=fsdp", "attention_impl=xla", "loss_impl=xla", "dtype=bfloat16",
+            "use_bias=false"]
+    dropless = estimate(get_config("moe-tiny", base), 4, platform="tpu")
+    roomy = estimate(get_config("moe-tiny", base + ["capacity_factor=4"]), 4, platform="tpu")
+    assert roomy.activations > dropless.activations
+    dense = estimate(get_config("tiny", base), 4, platform="tpu")
+    # moe-tiny's experts: 4 layers x 8 x (128 x 256 + 256 x 128) fp32 parameters, over fsdp=4, cast to bf16 once
+    cast = 4 * 8 * 2 * 128 * 256 * 2 / 4
+    # FSDP's two gathered layers in bf16: an MoE layer's MLP is 8 experts of 2 x 128 x 256 and a 128 x 8 router
+    mlp_weights = 2 * (8 * 2 * 128 * 256 + 128 * 8 - 2 * 128 * 512) * 2
+    assert dropless.gathered - dense.gathered == cast + mlp_weights
+    for platform in ("cpu", "gpu"):
+        with pytest.raises(ConfigError, match=rf"models MoE layers \(model.n_experts=8\) for TPU only, not {platform}"):
+            estimate(get_config("moe-tiny"), 1, platform=platform)

@@ -37,6 +37,7 @@ from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
 from jaxperf.models.gpt import GPT, REMAT_POLICIES
 from jaxperf.models.layers import Block
+from jaxperf.models.moe import MoE, is_moe_layer
 from jaxperf.models.platform import layers_per_iteration, settle
 from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
@@ -354,14 +355,23 @@ def _residuals(fn, *args, fused: bool = False) -> list:
 def _per_device_model(r: ModelConfig, t: int) -> ModelConfig:
     """The layer one device runs when heads, KV heads and MLP columns are split over `t` (where they divide)."""
     div = lambda n: n // t if t > 1 and n % t == 0 else n  # noqa: E731
-    return dataclasses.replace(r, n_heads=div(r.n_heads), n_kv_heads=div(r.n_kv_heads), mlp_dim=div(r.mlp_dim))
+    return dataclasses.replace(r, n_heads=div(r.n_heads), n_kv_heads=div(r.n_kv_heads), mlp_dim=div(r.mlp_dim),
+                               moe_mlp_dim=div(r.moe_mlp_dim) if r.moe_mlp_dim else r.moe_mlp_dim)
+
+
+def _layer_kinds(r: ModelConfig) -> dict[bool, int]:
+    """{is MoE: how many of the model's layers} (an MoE model with moe_every > 1 has both kinds)."""
+    moe = sum(is_moe_layer(r, i) for i in range(r.n_layers))
+    return {k: n for k, n in ((False, r.n_layers - moe), (True, moe)) if n}
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bool = False) -> float:
+def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bool = False,
+                         moe: bool = False) -> float:
     """Bytes one layer keeps for its backward per batch row of `seq` positions under `remat` (the arrays of
     `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
-    weights, gathered and counted apart, drop out); `fused`: the layers are unrolled (`_residuals`)."""
+    weights, gathered and counted apart, drop out); `fused`: the layers are unrolled (`_residuals`); `moe`: the
+    layer's MLP is the mixture of experts (its sorted token slots or capacity buffers are among the residuals)."""
     cfg = dataclasses.replace(model_cfg, remat=remat)
     if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
         # cuDNN attention traces only where a GPU is attached. Elsewhere (a CPU host estimating a GPU step) the flash
@@ -369,7 +379,7 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bo
         # in its own layout, so the estimate comes out a few percent higher than on the GPU (benchmarks/RESULTS.md).
         cfg = dataclasses.replace(cfg, attention_impl="pallas")
     with _compat.no_eager_sharding():
-        block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0)))
+        block = nnx.eval_shape(lambda: Block(cfg, rngs=nnx.Rngs(0), make_mlp=MoE if moe else None))
     graphdef, state = nnx.split(block)
 
     def layer(st, x, pos):
@@ -400,26 +410,34 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     platform = _platform(mesh, platform)
     shape = _resolve_mesh(cfg, mesh)
     validate(cfg, math.prod(shape.values()), shape)
-    if cfg.model.n_experts:
-        # its layers' routed working set (sorted slots, capacity buffers) is not in the model above: no number beats
-        # a wrong one
-        raise ConfigError(f"the memory estimate does not model MoE layers (model.n_experts={cfg.model.n_experts}): "
-                          f"compile the step and read its memory analysis instead (jaxperf compile)")
+    if cfg.model.n_experts and platform != "tpu":
+        # the MoE terms are read off the TPU compiler; XLA:CPU's programs of the same layers need 1.1-2.4x the
+        # estimate (moe-tiny), and no GPU has checked them: no number beats a wrong one
+        raise ConfigError(f"the memory estimate models MoE layers (model.n_experts={cfg.model.n_experts}) for TPU "
+                          f"only, not {platform}: compile the step and read its memory analysis instead (jaxperf "
+                          f"compile)")
     cfg = dataclasses.replace(cfg, model=_settled(cfg, shape, platform))
     sp = cfg.parallel.sequence_parallel and shape["tensor"] > 1
     rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)
     r = cfg.model.resolved()
     params = 0.0
-    layer_full = 0.0  # one layer's weights, whole (what FSDP gathers)
+    expert_params = 0.0  # the per-device bytes of stacked expert weights
     for leaf_shape, dtype, axes in _param_leaves(cfg.model):
-        params += math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params,
-                                                                                    shape)
-    # a Python loop's layers are gathered one at a time as well: their weights, read off the stacked model
-    stacked = cfg.model if cfg.model.scan_layers else dataclasses.replace(cfg.model, scan_layers=True)
-    for leaf_shape, dtype, axes in _param_leaves(stacked):
-        if axes and axes[0] == "layers":
-            layer_full += (math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
-                           / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1}))
+        size = math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params, shape)
+        params += size
+        if axes and axes[0] == "layers" and "expert" in axes:
+            expert_params += size
+    kinds = _layer_kinds(r)
+    # One layer's weights, whole (what FSDP gathers), of the larger kind: a Python loop's layers are gathered one at
+    # a time as well, so their weights are read off a stacked model of each kind
+    layer_full = 0.0
+    for moe in kinds:
+        stacked = dataclasses.replace(cfg.model, scan_layers=True, moe_every=1,
+                                      n_experts=cfg.model.n_experts if moe else 0)
+        layer_full = max(layer_full, sum(
+            math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
+            / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1})
+            for leaf_shape, dtype, axes in _param_leaves(stacked) if axes and axes[0] == "layers"))
     dp, t, stages, ring = shape["data"] * shape["fsdp"], shape["tensor"], shape["stage"], shape["seq"]
     L = cfg.train_seq_len
     positions = L / ring  # a device's share of the sequence
@@ -432,6 +450,10 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     batch = cfg.batch_size / dp * L * 3 * 4
     compute = s / jnp.dtype(r.param_dtype).itemsize
     gathered = 2 * layer_full * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
+    if platform == "tpu":
+        # The TPU compiler casts a scanned stack's expert weights to the compute dtype once, before the layer loop
+        # (its buffer report: a convert of each whole [layers, E, ...] shard; llama-1b widths with 8 experts, v5p)
+        gathered += expert_params * compute
     stash = 0.0
     if stages > 1:  # the stage inputs held between a microbatch's forward and backward
         _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
@@ -451,16 +473,21 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     unrolled_layers = not r.scan_layers or (platform == "gpu" and per_iteration >= layers)
     if unrolled_layers:
         per_iteration = 1
-    saved = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers)
-    # one layer's backward: what it recomputes beyond what the policy saved ...
-    recompute = micro_rows * (_layer_bytes_per_row(local, seq, "none", unrolled_layers)
-                              - _layer_bytes_per_row(local, seq, r.remat, unrolled_layers))
-    attention_grads = 0.0
+    # per layer kind (dense, MoE): what one layer saves, and what its backward recomputes beyond that ...
+    saved_by, recompute_by = {}, {}
+    for moe in kinds:
+        saved_by[moe] = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers, moe)
+        recompute_by[moe] = micro_rows * _layer_bytes_per_row(local, seq, "none", unrolled_layers, moe) - saved_by[moe]
+    pad_saved = 0.0
     if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
         # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
         # whole 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves)
         pad = 128 * math.ceil(r.head_dim / 128) - r.head_dim
-        saved += micro_rows * seq * (2 * local.n_heads + 2 * local.n_kv_heads) * pad * s
+        pad_saved = micro_rows * seq * (2 * local.n_heads + 2 * local.n_kv_heads) * pad * s
+    stack = sum(n / stages * (saved_by[moe] + pad_saved) for moe, n in kinds.items())
+    widest = max(kinds, key=lambda moe: recompute_by[moe])  # the layer kind whose backward needs the most
+    saved, recompute = saved_by[widest] + pad_saved, recompute_by[widest]
+    attention_grads = 0.0
     if r.attention_impl not in ("pallas", "cudnn"):
         # ... and the XLA attention's [H, L, L] gradients (flash attention's backward works in on-chip memory):
         # the scores' gradient in fp32 always; where the policy saved the probabilities (none) their gradient needs
@@ -502,14 +529,14 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     if newer_tpu_compiler:
         # libtpu 0.0.52 and later: whatever the loss, its working set shares addresses with the weight gradients
         # and the gathered layer weights (counted apart), which are not live while it runs
-        activations = layers * saved + max(layer_bwd, loss - grads - gathered) + unrolled + stash
+        activations = stack + max(layer_bwd, loss - grads - gathered) + unrolled + stash
     elif loss_impl == "xla":
-        activations = layers * saved + max(layer_bwd, loss) + unrolled + stash
+        activations = stack + max(layer_bwd, loss) + unrolled + stash
     else:
         # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
         # their working set on top of the layers' (measured: its temporaries exceed its own buffer assignment by
         # that working set), so the two add up
-        activations = layers * saved + layer_bwd + loss + unrolled + stash
+        activations = stack + layer_bwd + loss + unrolled + stash
     return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
                           shape, code=ACCELERATOR_CODE_BYTES)
 

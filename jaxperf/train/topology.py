@@ -106,7 +106,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     model_flops = flops_per_token(cfg.model, L) * B * L / len(devices)
     peak = chip.bf16_flops if chip and cfg.model.dtype != "float32" else (chip.fp32_flops if chip else None)
     platform = platform_of(mesh)
-    est = None if cfg.model.n_experts else estimate(cfg, shape, platform=platform)  # the estimate models no MoE
+    est = estimate(cfg, shape, platform=platform)
     choices = implementation_choices(cfg, shape, platform)
     hlo = compiled.as_text()
     if hlo_out:
