@@ -17,7 +17,9 @@ Expert weights are stacked arrays with a leading `expert` axis (`w_in_ExDxF`...)
 (`parallel.expert` > 1) the rule tables split them over it and the step installs `hooks.experts`: each device then
 routes its own tokens, sends every token slot to the device that holds its expert and gets the outputs back by
 all-to-all (jaxperf.parallel.expert), dropless or with a capacity per expert counted within each device's tokens (a
-GShard group); the router losses average over the whole batch, as on one device. Shared experts
+GShard group); the router losses average over the whole batch, as on one device. Without an expert axis, wherever
+the tokens are split over devices, each device routes its own tokens the same way, through all the experts and
+without all-to-all (`routes_per_device`). Shared experts
 (`n_shared_experts`, DeepSeek) are one dense MLP of width n_shared_experts * moe_mlp_dim added to every token's
 routed output.
 
