@@ -4,6 +4,7 @@ on constructed routings, the router losses against their formulas, training, ref
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,9 @@ from flax import nnx
 
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
 from jaxperf.models.gpt import GPT
-from jaxperf.models.moe import MoE, load_balancing_loss, router_z_loss
+from jaxperf.models.moe import (MoE, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
+                                tiled_grouped_matmul)
+from jaxperf.models.platform import settle
 from jaxperf.perf.flops import matmul_params
 from jaxperf.perf.memory import estimate
 from helpers import fixed_batch, flat, make_task
@@ -71,10 +74,10 @@ def _out(moe, x):
     return moe(x)[0]
 
 
-@pytest.mark.parametrize("router,style,shared", [("softmax", "gpt2", 0), ("sigmoid", "gpt2", 0),
-                                                 ("softmax", "llama", 1), ("sigmoid", "llama", 2)])
-def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared):
-    moe = _moe(router=router, style=style, n_shared_experts=shared)
+@pytest.mark.parametrize("router,style,shared,gmm", [("softmax", "gpt2", 0, "xla"), ("sigmoid", "gpt2", 0, "tiled"),
+                                                     ("softmax", "llama", 1, "tiled"), ("sigmoid", "llama", 2, "xla")])
+def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared, gmm):
+    moe = _moe(router=router, style=style, n_shared_experts=shared, grouped_matmul_impl=gmm)
     x = jax.random.normal(jax.random.key(1), (2, 5, 16))
     np.testing.assert_allclose(_out(moe, x), _reference(moe, x), rtol=1e-5, atol=1e-5)
     got, got_x = _grads(_out, moe, x)
@@ -83,6 +86,35 @@ def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, s
     assert set(got) == set(want)
     for k in got:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("sizes", [[125] * 8, [0, 0, 1000, 0, 0, 0, 0, 0], [1, 300, 0, 200, 99, 0, 300, 100],
+                                   [10, 0, 5, 0, 0, 0, 0, 3]])
+@pytest.mark.parametrize("tile", [128, 7])
+def test_the_tiled_grouped_matmul_equals_the_ragged_dot(sizes, tile):
+    """Groups of any size, empty ones, one group holding every row, groups that straddle tiles, and rows past the
+    last group (an all-to-all buffer's empty rows: left zero)."""
+    x = jax.random.normal(jax.random.key(0), (1000, 24))
+    w = jax.random.normal(jax.random.key(1), (8, 24, 40))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    n = int(sizes.sum())
+    f = lambda impl: lambda x, w: impl(x, w, sizes)[:n]  # noqa: E731
+    tiled = functools.partial(tiled_grouped_matmul, tile=tile)
+    np.testing.assert_allclose(f(tiled)(x, w), f(ragged_grouped_matmul)(x, w), rtol=1e-5, atol=1e-4)
+    assert not np.any(np.asarray(tiled(x, w, sizes)[n:]))
+    grads = [jax.grad(lambda x, w, g=g: jnp.sum(jnp.sin(f(g)(x, w))), (0, 1))(x, w)
+             for g in (tiled, ragged_grouped_matmul)]
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_auto_runs_the_tiled_grouped_matmul_on_cpu_only():
+    cfg = get_config("moe-tiny")
+    assert settle(cfg, {"data": 1}, "cpu").grouped_matmul_impl == "tiled"
+    assert settle(cfg, {"data": 1}, "tpu").grouped_matmul_impl == "xla"
+    assert settle(get_config("moe-tiny", ["grouped_matmul_impl=xla"]), {"data": 1}, "cpu").grouped_matmul_impl == "xla"
+    with pytest.raises(ConfigError, match="grouped_matmul_impl"):
+        get_config("moe-tiny", ["grouped_matmul_impl=megablox"])
 
 
 def _routed(moe: MoE, first_second):

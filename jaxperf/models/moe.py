@@ -42,10 +42,15 @@ from jax.sharding import PartitionSpec as P
 from jaxperf import _compat
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.layers import MLP, _param, _zeros
+from jaxperf.models.registry import implementation, register
 from jaxperf.parallel import expert as ep
-from jaxperf.parallel.rules import activation_spec
+from jaxperf.parallel.rules import activation_spec, param_spec
 
-STATS = ("aux_loss", "z_loss", "dropped")  # what every MoE layer reports, each an fp32 scalar
+STATS = ("aux_loss", "z_loss", "dropped")
+# logical axes of the expert weights (w_in, w_gate, w_out, b_in, b_out) and of the router
+_WEIGHT_AXES = (("expert", "embed", "mlp"), ("expert", "embed", "mlp"), ("expert", "mlp", "embed"), ("expert", "mlp"),
+                ("expert", "embed"))
+_ROUTER_AXES = ("embed", None)  # its [T, E] logits are needed whole on every device  # what every MoE layer reports, each an fp32 scalar
 
 
 class MoeStats(nnx.Variable):
@@ -152,21 +157,29 @@ class MoE(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.act, self.k, self.router = cfg.mlp_act, cfg.experts_per_token, cfg.router
         self.capacity_factor = cfg.capacity_factor or 0.0
-        # The expert dim is unnamed on the router: its [T, E] logits are needed whole on every device.
-        self.router_DxE = _param(rngs, init, (D, E), ("embed", None), pd)
-        self.w_in_ExDxF = _param(rngs, init, (E, D, F), ("expert", "embed", "mlp"), pd)
-        self.w_gate_ExDxF = (_param(rngs, init, (E, D, F), ("expert", "embed", "mlp"), pd)
-                             if self.act == "swiglu" else None)
-        self.w_out_ExFxD = _param(rngs, out_init, (E, F, D), ("expert", "mlp", "embed"), pd)
-        self.bias_in_ExF = _param(rngs, _zeros, (E, F), ("expert", "mlp"), pd) if cfg.use_bias else None
-        self.bias_out_ExD = _param(rngs, _zeros, (E, D), ("expert", "embed"), pd) if cfg.use_bias else None
+        self.gmm_impl, self.platform = cfg.grouped_matmul_impl, cfg.platform
+        w_in, w_out, b_in, b_out = _WEIGHT_AXES[0], _WEIGHT_AXES[2], _WEIGHT_AXES[3], _WEIGHT_AXES[4]
+        self.router_DxE = _param(rngs, init, (D, E), _ROUTER_AXES, pd)
+        self.w_in_ExDxF = _param(rngs, init, (E, D, F), w_in, pd)
+        self.w_gate_ExDxF = _param(rngs, init, (E, D, F), w_in, pd) if self.act == "swiglu" else None
+        self.w_out_ExFxD = _param(rngs, out_init, (E, F, D), w_out, pd)
+        self.bias_in_ExF = _param(rngs, _zeros, (E, F), b_in, pd) if cfg.use_bias else None
+        self.bias_out_ExD = _param(rngs, _zeros, (E, D), b_out, pd) if cfg.use_bias else None
         self.shared = (MLP(dataclasses.replace(cfg, mlp_dim=cfg.n_shared_experts * F), rngs=rngs)
                        if cfg.n_shared_experts else None)
 
     def _weights(self, dt):
-        opt = lambda p: None if p is None else p[...].astype(dt)  # noqa: E731
-        return (opt(self.w_in_ExDxF), opt(self.w_gate_ExDxF), opt(self.w_out_ExFxD), opt(self.bias_in_ExF),
-                opt(self.bias_out_ExD))
+        """(w_in, w_gate, w_out, b_in, b_out) in the compute dtype, None where absent. The barrier keeps each cast
+        with its layer: without it the TPU compiler casts a scanned stack's expert weights once, before the layer
+        loop, and holds that compute-dtype copy of every layer's experts through the step (2.8 GB per chip for
+        Mixtral-8x7B over 32 v5p chips)."""
+        params = jax.lax.optimization_barrier(tuple(
+            None if p is None else p[...]
+            for p in (self.w_in_ExDxF, self.w_gate_ExDxF, self.w_out_ExFxD, self.bias_in_ExF, self.bias_out_ExD)))
+        return tuple(None if p is None else p.astype(dt) for p in params)
+
+    def _grouped_matmul(self, x):
+        return implementation("grouped_matmul", self.gmm_impl, x, self.w_in_ExDxF, platform=self.platform)
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> tuple[jax.Array, dict]:
         if hooks.experts is not None:
@@ -177,7 +190,7 @@ class MoE(nnx.Module):
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
                                                                           self.router)
         y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
-                                      self.capacity_factor, self.act)
+                                      self.capacity_factor, self.act, self._grouped_matmul(x_TxD))
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
@@ -190,47 +203,78 @@ class MoE(nnx.Module):
         token_axes = tuple(a for dim in x_spec for a in ((dim,) if isinstance(dim, str) else (dim or ())))
         k, router, factor, act = self.k, self.router, self.capacity_factor, self.act
         E = self.w_in_ExDxF.shape[0]
+        gmm = self._grouped_matmul(x_BxLxD)
 
-        def local(x_BxLxD, router_DxE, weights):
+        def routed(x_BxLxD, router_DxE, weights):
             x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router)
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
             if n == 1:  # no expert axis: this device's tokens through all the experts, without all-to-all
-                y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act)
+                y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act, gmm)
                 return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
             plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority)
             rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis)
-            rows_y = _expert_mlp(rows_x, rows_e, weights, act)
+            rows_y = _expert_mlp(rows_x, rows_e, weights, act, gmm)
             out_SxD = ep.combine(rows_y, plan, axis)
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
             # the router losses of the whole batch
             dropped = 1.0 - jnp.mean(plan.keep_S.astype(jnp.float32))
             return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
 
+        # The weights enter split as they lie over the token axes (FSDP's split) and are gathered inside, but for
+        # the expert split: the gathers' transposes reduce-scatter the gradients, where weights taken in whole would
+        # have every device sum the whole gradient of every expert it holds. Splits over other axes (tensor) are
+        # undone before, by the partitioner: the tokens are the same on those devices.
+        inside = set(token_axes) | {axis}
+        spec = lambda axes, shape: _only(param_spec(axes, shape) or P(), inside)  # noqa: E731
         weights = self._weights(x_BxLxD.dtype)
-        split = P(axis) if mesh.shape[axis] > 1 else P()
-        w_specs = tuple(None if w is None else split for w in weights)
-        run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, P(), w_specs),
+        w_specs = tuple(None if w is None else spec(axes, w.shape) for w, axes in zip(weights, _WEIGHT_AXES))
+        router_w = self.router_DxE[...]
+        router_spec = spec(_ROUTER_AXES, router_w.shape)
+
+        def local(x_BxLxD, router_DxE, weights):
+            whole = lambda w, spec: None if w is None else _gather_but(w, spec, axis)  # noqa: E731
+            return routed(x_BxLxD, whole(router_DxE, router_spec), tuple(map(whole, weights, w_specs)))
+
+        run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, router_spec, w_specs),
                                 out_specs=(x_spec, P()))
-        return run(x_BxLxD, self.router_DxE[...], weights)
+        return run(x_BxLxD, router_w, weights)
 
 
-def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
+def _only(spec: P, axes: set[str]) -> P:
+    """`spec` with every mesh axis outside `axes` dropped."""
+    out = []
+    for entry in spec:
+        names = tuple(n for n in ((entry,) if isinstance(entry, str) else (entry or ())) if n in axes)
+        out.append(names[0] if len(names) == 1 else (names or None))
+    return P(*out)
+
+
+def _gather_but(w: jax.Array, spec: P, keep: str) -> jax.Array:
+    """Inside shard_map: `w`, split by `spec`, gathered along every dim but over mesh axis `keep`."""
+    for dim, names in enumerate(spec):
+        names = tuple(n for n in ((names,) if isinstance(names, str) else (names or ())) if n != keep)
+        if names:
+            w = jax.lax.all_gather(w, names, axis=dim, tiled=True)
+    return w
+
+
+def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str, gmm):
     """The routed experts on one device's tokens, with all E experts' `weights` at hand: (y [T, D], the share of
-    slots dropped), dropless (`factor` 0) or with a capacity."""
+    slots dropped), dropless (`factor` 0, grouped matmuls by `gmm`) or with a capacity."""
     if factor > 0:
         return _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor, act)
-    return _dropless(x_TxD, weights_TxK, experts_TxK, weights, act), jnp.zeros((), jnp.float32)
+    return _dropless(x_TxD, weights_TxK, experts_TxK, weights, act, gmm), jnp.zeros((), jnp.float32)
 
 
-def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str):
+def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm):
     """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
     T, K = experts_TxK.shape
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
-    out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act)
+    out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act, gmm)
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
 
@@ -261,21 +305,61 @@ def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str)
     return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
 
 
-def _expert_mlp(x_RxD, expert_R, weights, act: str):
-    """Each row through its expert's MLP by grouped matmuls (`jax.lax.ragged_dot`), in row order. `expert_R` holds
-    indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row whose index is E (an
-    empty row of an all-to-all buffer) is in no group and comes out as garbage the caller never reads."""
+def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm):
+    """Each row through its expert's MLP by grouped matmuls (`gmm`, a "grouped_matmul" implementation), in row
+    order. `expert_R` holds indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row
+    whose index is E (an empty row of an all-to-all buffer) is in no group and comes out as garbage the caller never
+    reads."""
     w_in, w_gate, w_out, b_in, b_out = weights
     order_R, sizes_E = ep.group_rows(expert_R, w_in.shape[0])
     x_RxD, expert_R = x_RxD[order_R], expert_R[order_R]
-    h_RxF = jax.lax.ragged_dot(x_RxD, w_in, sizes_E)
+    h_RxF = gmm(x_RxD, w_in, sizes_E)
     if b_in is not None:
         h_RxF = h_RxF + jnp.take(b_in, expert_R, axis=0, mode="clip")
-    gate_RxF = jax.lax.ragged_dot(x_RxD, w_gate, sizes_E) if w_gate is not None else None
-    out_RxD = jax.lax.ragged_dot(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
+    gate_RxF = gmm(x_RxD, w_gate, sizes_E) if w_gate is not None else None
+    out_RxD = gmm(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
     if b_out is not None:
         out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
     return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)  # back to row order
+
+
+def ragged_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None):
+    """Rows `x` [R, D], sorted by group with `sizes_E` rows in each, each times its group's `w` [D, F]: XLA's ragged
+    dot (a grouped-matmul kernel on TPU; XLA:CPU expands it into one dense matmul per group, E x the work)."""
+    return jax.lax.ragged_dot(x_RxD, w_ExDxF, sizes_E)
+
+
+def tiled_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, tile: int = 128):
+    """The same product as `ragged_grouped_matmul` by fixed tiles: the rows cut into tiles of `tile`, and one work
+    item per (tile, group) pair that meets, at most R / tile + E - 1 of them, run as one batched matmul with each
+    item's rows of other groups masked out, then summed back into their tiles. The work is that of the routed rows
+    plus at most one tile per group; each item gathers its group's weights, so the working set holds
+    (R / tile + E) x D x F of them (small models: the CPU's choice)."""
+    R, D = x_RxD.shape
+    E, _, F = w_ExDxF.shape
+    tile = min(tile, 8 * -(-R // 8))
+    n_tiles = -(-R // tile)
+    items = n_tiles + E - 1
+    end_E = jnp.cumsum(sizes_E)
+    start_E = end_E - sizes_E
+    first_E = start_E // tile
+    count_E = jnp.where(sizes_E > 0, (jnp.maximum(end_E, 1) - 1) // tile - first_E + 1, 0)  # tiles each group meets
+    done_E = jnp.cumsum(count_E)
+    item_W = jnp.arange(items)
+    group_W = jnp.minimum(jnp.searchsorted(done_E, item_W, side="right"), E - 1)
+    tile_W = jnp.minimum(first_E[group_W] + item_W - (done_E - count_E)[group_W], n_tiles - 1)
+    row_WxT = tile_W[:, None] * tile + jnp.arange(tile)[None, :]
+    mine_WxT = ((item_W < done_E[-1])[:, None] & (row_WxT >= start_E[group_W][:, None])
+                & (row_WxT < end_E[group_W][:, None]))
+    tiles_NxTxD = jnp.pad(x_RxD, ((0, n_tiles * tile - R), (0, 0))).reshape(n_tiles, tile, D)
+    x_WxTxD = jnp.where(mine_WxT[..., None], tiles_NxTxD[tile_W], jnp.zeros((), x_RxD.dtype))
+    y_WxTxF = jnp.einsum("wtd,wdf->wtf", x_WxTxD, w_ExDxF[group_W])
+    y_NxTxF = jnp.zeros((n_tiles, tile, F), y_WxTxF.dtype).at[tile_W].add(y_WxTxF)
+    return y_NxTxF.reshape(n_tiles * tile, F)[:R]
+
+
+register("grouped_matmul", "xla", ragged_grouped_matmul)
+register("grouped_matmul", "tiled", tiled_grouped_matmul)
 
 
 def describe(cfg, mesh_shape) -> str:

@@ -17,13 +17,14 @@ Fields `settle` fills:
 | platform | the mesh's devices' platform |
 | matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
 | scan_unroll (None) | on GPU n_layers: the whole stack in one iteration, parameters still stacked (measured on an H100: gpt2-small 1.50x the tokens/s of a rolled scan in 0.64x the memory, llama-1b 1.10x; benchmarks/RESULTS.md, "GPU"); on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; on TPU 1 (one layer's recomputed activations live at a time) |
-| attention_impl, loss_impl, norm_impl ("auto") | the table below, for the train step's shapes (sequence, dtype, heads, rows per device) |
+| attention_impl, loss_impl, norm_impl, grouped_matmul_impl ("auto") | the table below, for the train step's shapes (sequence, dtype, heads, rows per device) |
 
 | op | TPU | GPU | CPU |
 |---|---|---|---|
 | attention | Pallas flash attention (Mosaic) when the kernel takes the shapes | cuDNN (bf16/fp16, no segment ids, L == S) | XLA |
 | loss | chunked when the fp32 logits of one device pass 256 MiB | chunked when they pass 8 GiB (the full logits are faster on GPU) | XLA (full logits) |
 | norm | XLA | XLA | XLA |
+| grouped_matmul (MoE) | XLA's ragged dot (a grouped-matmul kernel) | XLA's ragged dot | tiled (XLA:CPU runs a ragged dot as one dense matmul per expert) |
 
 Otherwise XLA, with the reason. The chunked loss gives way to the full logits when the vocabulary or the sequence is
 split across devices (it works on whole rows of one device's batch), and under a pipeline (its last stage computes
@@ -90,7 +91,8 @@ def settle(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> Mo
     chosen = {c.op: c.impl for c in _choices(cfg, mesh_shape, platform)}
     model = for_platform(cfg.model, platform)
     return dataclasses.replace(model, attention_impl=chosen["attention"], loss_impl=chosen["loss"],
-                               norm_impl=chosen["norm"])
+                               norm_impl=chosen["norm"],
+                               grouped_matmul_impl=chosen.get("grouped_matmul", model.grouped_matmul_impl))
 
 
 def describe_settled(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> str:
@@ -189,7 +191,7 @@ def implementation_choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], plat
 
 
 def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> list[Choice]:
-    """[attention, loss, norm] as `settle` writes them into the model config."""
+    """[attention, loss, norm] (and grouped_matmul for an MoE model) as `settle` writes them into the model config."""
     _check(platform)
     m = cfg.model.resolved()
     shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
@@ -210,4 +212,19 @@ def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> 
         loss = loss_choice(platform, rows_per_device=rows, vocab=m.padded_vocab, vocab_split=shape["tensor"] > 1,
                            seq_split=shape["seq"] > 1)
     norm = norm_choice(platform) if m.norm_impl == "auto" else Choice("norm", m.norm_impl, "model.norm_impl")
-    return [attention, loss, norm]
+    if not m.n_experts:
+        return [attention, loss, norm]
+    if m.grouped_matmul_impl != "auto":
+        grouped = Choice("grouped_matmul", m.grouped_matmul_impl, "model.grouped_matmul_impl")
+    else:
+        grouped = grouped_matmul_choice(platform)
+    return [attention, loss, norm, grouped]
+
+
+def grouped_matmul_choice(platform: str) -> Choice:
+    """What grouped matmul "auto" runs in the dropless MoE layers: fixed tiles of rows on CPU, XLA's ragged dot
+    elsewhere."""
+    _check(platform)
+    if platform == "cpu":
+        return Choice("grouped_matmul", "tiled", "XLA:CPU expands jax.lax.ragged_dot into one dense matmul per expert")
+    return Choice("grouped_matmul", "xla", "jax.lax.ragged_dot (a grouped-matmul kernel on TPU)")

@@ -12,11 +12,12 @@ None when it can run there, else why not. What each op passes:
 | attention | `fn(q, k, v, *, causal, segment_ids, platform)` -> out [B, L, H, Dh] | `(q, k, v, *, platform)` |
 | norm | `fn(x, scale, bias, *, kind, eps, residual, platform)` -> normed (and x + residual when given) | `(x, *, platform)` |
 | loss | `fn(model, batch, mask, *, platform)` -> (sum of token losses, unmasked tokens) | `(model, batch, *, platform)` |
+| grouped_matmul | `fn(x [R, D], w [E, D, F], sizes [E], *, platform)` -> [R, F], rows sorted by group | `(x, w, *, platform)` |
 
 "auto" is settled into the model config before anything is traced (jaxperf.models.platform.settle); in a config never
 settled it is the portable choice, "xla". Built-in implementations are registered by the modules that define them:
 attention in `attention.py` (xla, cudnn, pallas, ring), norms in `layers.py` (xla, pallas), the loss in `gpt.py` (xla,
-chunked, pallas).
+chunked, pallas), the MoE layer's grouped matmul in `moe.py` (xla, tiled).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPS = ("attention", "norm", "loss")
+OPS = ("attention", "norm", "loss", "grouped_matmul")
 
 
 @dataclass(frozen=True)

@@ -184,6 +184,16 @@ def activation_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | N
     return logical_to_spec(logical_axes, rules.activations, mesh, shape)
 
 
+def param_spec(logical_axes: Sequence[str | None], shape: Sequence[int] | None = None) -> P | None:
+    """The PartitionSpec the installed rules place a parameter with these names by, or None outside
+    `activation_sharding` (for code that takes a parameter into shard_map as it lies)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    return logical_to_spec(logical_axes, rules.params, mesh, shape)
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """`with_sharding_constraint` by logical names; a no-op outside `activation_sharding` (e.g. eager calls)."""
     active = _ACTIVE.get()
