@@ -46,11 +46,11 @@ from jaxperf.models.registry import implementation, register
 from jaxperf.parallel import expert as ep
 from jaxperf.parallel.rules import activation_spec, param_spec
 
-STATS = ("aux_loss", "z_loss", "dropped")
+STATS = ("aux_loss", "z_loss", "dropped")  # what every MoE layer reports, each an fp32 scalar
 # logical axes of the expert weights (w_in, w_gate, w_out, b_in, b_out) and of the router
 _WEIGHT_AXES = (("expert", "embed", "mlp"), ("expert", "embed", "mlp"), ("expert", "mlp", "embed"), ("expert", "mlp"),
                 ("expert", "embed"))
-_ROUTER_AXES = ("embed", None)  # its [T, E] logits are needed whole on every device  # what every MoE layer reports, each an fp32 scalar
+_ROUTER_AXES = ("embed", None)  # the expert dim unnamed: the [T, E] logits are needed whole on every device
 
 
 class MoeStats(nnx.Variable):
