@@ -1,0 +1,50 @@
+"""benchmarks/bench_tpu_compile.py --matrix: which cases the filters pick, in which order, and how a remat policy of
+MaxText's maps onto jaxperf's, all without compiling (--list)."""
+
+import json
+
+import pytest
+
+from jaxperf.benchmarks import run as bench
+
+
+@pytest.fixture(scope="module")
+def tpu_bench():
+    return bench.load_script("tpu_compile")
+
+
+def test_matrix_list_limit_enumerates_model_topology_rows_seq_remat(tpu_bench, capsys, tmp_path):
+    out = tmp_path / "never_written.jsonl"
+    cases = tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--limit", "4", "--out", str(out)])
+    printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert printed == cases and not out.exists()  # listed, not compiled, nothing appended
+    assert [(c["model"], c["topology"], c["rows_per_chip"], c["seq"], c["remat"]) for c in cases] == [
+        ("llama2-7b", "v5p:2x2x2", 1, 2048, "full"), ("llama2-7b", "v5p:2x2x2", 1, 4096, "full"),
+        ("llama2-7b", "v5p:2x2x2", 1, 8192, "full"), ("llama2-7b", "v5p:2x2x2", 2, 2048, "full")]
+    assert cases[3]["batch"] == 16 and cases[3]["maxtext_topology"] == "v5p-16"
+    # MaxText's default remat_policy is "full": the "default" remat is the same case, marked as MaxText's default
+    assert all(c["remat_is_maxtext_default"] and c["jaxperf_remat"] == "full" for c in cases)
+
+
+def test_matrix_filters_and_names(tpu_bench):
+    cases = tpu_bench.matrix_cases(["mistral-7b", "llama2-13b"], ["v5p-32", "v6e", "v5e:4x4"], [2], [4096],
+                                   ["default", "full", "minimal"])
+    assert {c["model"] for c in cases} == {"mistral-7b", "llama2-13b"}
+    assert [c["topology"] for c in cases if c["model"] == "mistral-7b" and c["remat"] == "full"] == [
+        "v5p:2x2x4", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v5e:4x4"]
+    assert {(c["remat"], c["jaxperf_remat"]) for c in cases} == {("full", "full"), ("minimal", "save_dots_no_batch")}
+    assert {c["maxtext_topology"] for c in cases} >= {"v5p-32", "v6e-8", "v6e-64", "v5e-16"}
+    assert len(tpu_bench.matrix_cases()) == 5 * 12 * 3 * 3  # models x topologies x rows x seqs, one remat
+    with pytest.raises(SystemExit):
+        tpu_bench.matrix_cases(topologies=["v7x-16"])
+    assert tpu_bench.maxtext_default_remat(None) == "full"
+
+
+def test_dense_models_carry_maxtexts_shapes(tpu_bench):
+    shapes = {name: tpu_bench.MODELS[name][0] for name in tpu_bench.MATRIX_MODELS}
+    assert shapes["llama2-7b"] == {"d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32,
+                                  "mlp_dim": 11008, "vocab_size": 32000, "rope_theta": 10000.0}
+    assert (shapes["llama2-13b"]["n_layers"], shapes["llama2-13b"]["d_model"], shapes["llama2-13b"]["mlp_dim"]) == (
+        40, 5120, 13824)
+    assert shapes["llama3-8b"] == shapes["llama3.1-8b"] and shapes["llama3-8b"]["vocab_size"] == 128256
+    assert (shapes["mistral-7b"]["n_kv_heads"], shapes["mistral-7b"]["rope_theta"]) == (8, 1e6)
