@@ -275,9 +275,9 @@ def test_flops_count_the_active_experts():
     assert matmul_params(mixed) - matmul_params(tiny) == 2 * 128 * 8
 
 
-def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_cast_expert_weights():
-    """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor) and
-    adds the compute-dtype copy of the stacked expert weights; tests/test_memory_tpu.py checks the totals against the
+def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights():
+    """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor),
+    holds one layer's gathered experts and adds the compute-dtype copy of the stacked expert weights; tests/test_memory_tpu.py checks the totals against the
     TPU compiler. Off TPU it refuses in one line."""
     base = ["batch_size=16", "fsdp=4", "strategy=fsdp", "attention_impl=xla", "loss_impl=xla", "dtype=bfloat16",
             "use_bias=false"]
@@ -287,8 +287,9 @@ def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_cast_expert_wei
     dense = estimate(get_config("tiny", base), 4, platform="tpu")
     # moe-tiny's experts: 4 layers x 8 x (128 x 256 + 256 x 128) fp32 parameters, over fsdp=4, cast to bf16 once
     cast = 4 * 8 * 2 * 128 * 256 * 2 / 4
-    # FSDP's two gathered layers in bf16: an MoE layer's MLP is 8 experts of 2 x 128 x 256 and a 128 x 8 router
-    mlp_weights = 2 * (8 * 2 * 128 * 256 + 128 * 8 - 2 * 128 * 512) * 2
+    # FSDP's gathered layers in bf16: two of everything (the running layer and the next one's gather) but the
+    # experts, held once (8 experts of 2 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8
+    mlp_weights = (8 * 2 * 128 * 256 + 2 * 128 * 8 - 2 * 2 * 128 * 512) * 2
     assert dropless.gathered - dense.gathered == cast + mlp_weights
     for platform in ("cpu", "gpu"):
         with pytest.raises(ConfigError, match=rf"models MoE layers \(model.n_experts=8\) for TPU only, not {platform}"):

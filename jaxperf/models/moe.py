@@ -169,14 +169,10 @@ class MoE(nnx.Module):
                        if cfg.n_shared_experts else None)
 
     def _weights(self, dt):
-        """(w_in, w_gate, w_out, b_in, b_out) in the compute dtype, None where absent. The barrier keeps each cast
-        with its layer: without it the TPU compiler casts a scanned stack's expert weights once, before the layer
-        loop, and holds that compute-dtype copy of every layer's experts through the step (2.8 GB per chip for
-        Mixtral-8x7B over 32 v5p chips)."""
-        params = jax.lax.optimization_barrier(tuple(
-            None if p is None else p[...]
-            for p in (self.w_in_ExDxF, self.w_gate_ExDxF, self.w_out_ExFxD, self.bias_in_ExF, self.bias_out_ExD)))
-        return tuple(None if p is None else p.astype(dt) for p in params)
+        """(w_in, w_gate, w_out, b_in, b_out) in the compute dtype, None where absent."""
+        opt = lambda p: None if p is None else p[...].astype(dt)  # noqa: E731
+        return (opt(self.w_in_ExDxF), opt(self.w_gate_ExDxF), opt(self.w_out_ExFxD), opt(self.bias_in_ExF),
+                opt(self.bias_out_ExD))
 
     def _grouped_matmul(self, x):
         return implementation("grouped_matmul", self.gmm_impl, x, self.w_in_ExDxF, platform=self.platform)

@@ -428,16 +428,21 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         if axes and axes[0] == "layers" and "expert" in axes:
             expert_params += size
     kinds = _layer_kinds(r)
-    # One layer's weights, whole (what FSDP gathers), of the larger kind: a Python loop's layers are gathered one at
-    # a time as well, so their weights are read off a stacked model of each kind
-    layer_full = 0.0
+    # What FSDP holds gathered, of the larger layer kind: two layers' weights (the one running and the next one's
+    # gather), but an MoE layer's experts once (the TPU compiler's buffer report for Mixtral-8x7B over 32 v5p chips:
+    # one layer's gathered experts in the backward loop, none prefetched). A Python loop's layers are gathered one at
+    # a time as well, so their weights are read off a stacked model of each kind.
+    gathered_layers = 0.0
     for moe in kinds:
         stacked = dataclasses.replace(cfg.model, scan_layers=True, moe_every=1,
                                       n_experts=cfg.model.n_experts if moe else 0)
-        layer_full = max(layer_full, sum(
-            math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
-            / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1})
-            for leaf_shape, dtype, axes in _param_leaves(stacked) if axes and axes[0] == "layers"))
+        held = 0.0
+        for leaf_shape, dtype, axes in _param_leaves(stacked):
+            if axes and axes[0] == "layers":
+                size = (math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
+                        / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1}))
+                held += size if "expert" in axes else 2 * size
+        gathered_layers = max(gathered_layers, held)
     dp, t, stages, ring = shape["data"] * shape["fsdp"], shape["tensor"], shape["stage"], shape["seq"]
     L = cfg.train_seq_len
     positions = L / ring  # a device's share of the sequence
@@ -449,7 +454,7 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     grads = params * (2 if accumulates else 1)
     batch = cfg.batch_size / dp * L * 3 * 4
     compute = s / jnp.dtype(r.param_dtype).itemsize
-    gathered = 2 * layer_full * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
+    gathered = gathered_layers * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
     if platform == "tpu":
         # The TPU compiler casts a scanned stack's expert weights to the compute dtype once, before the layer loop
         # (its buffer report: a convert of each whole [layers, E, ...] shard; llama-1b widths with 8 experts, v5p)
