@@ -101,6 +101,18 @@ def test_choices_come_from_the_annotations_and_suggest_the_closest():
         validate(dataclasses.replace(get_config("tiny"), model=ModelConfig(dtype="fp8")), 8)
 
 
+def test_custom_remat_names_are_checked_before_compiling():
+    cfg = get_config("tiny", ["remat=custom", "remat_save=query_proj,key_proj", "remat_offload=mlpwi"])
+    assert validate(cfg, 1).model.remat_offload == ("mlpwi",)
+    with pytest.raises(ConfigError, match=r"model.remat_save names 'attn_proj', which no layer tags: use names from "
+                                          r"query_proj, key_proj"):
+        validate(get_config("tiny", ["remat=custom", "remat_save=query_proj,attn_proj"]), 1)
+    with pytest.raises(ConfigError, match=r"apply to model.remat=custom only \(remat is 'full'\)"):
+        validate(get_config("tiny", ["remat=full", "remat_offload=mlpwo"]), 1)
+    with pytest.raises(ConfigError, match=r"mlpwo is in both model.remat_save and model.remat_offload"):
+        validate(get_config("tiny", ["remat=custom", "remat_save=mlpwo", "remat_offload=mlpwo"]), 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Inner:
     sizes: tuple[int, ...] = (1, 2)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxperf.config import ModelConfig
+from jaxperf.config import REMAT_NAMES, ModelConfig
 from jaxperf.models import GPT, REMAT_POLICIES, attention, xla_attention
-from jaxperf.models.layers import decode_attention, dense, rope
+from jaxperf.models.layers import REMAT_SAVES, Block, decode_attention, dense, remat_policy, rope
 from pallas_kernels.flash_attention import flash_attention_reference
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64, vocab_multiple=64)
@@ -205,6 +205,41 @@ def test_remat_policy_is_on_and_changes_no_numbers(policy):
     jaxpr = str(jax.make_jaxpr(lambda t: remat(t))(tokens))
     assert "checkpoint" in jaxpr or "remat" in jaxpr
     assert "checkpoint" not in str(jax.make_jaxpr(lambda t: base(t))(tokens))
+
+
+def _layer_residuals(cfg):
+    """(names of the activations one checkpointed layer saves, how many it offloads to host memory)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    block = Block(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(block)
+    layer = jax.checkpoint(lambda st, x, pos: nnx.merge(graphdef, st)(x, pos, None), policy=remat_policy(cfg))
+    x, pos = jnp.ones((1, 8, cfg.d_model)), jnp.arange(8)[None]
+    named, host, other = set(), 0, []
+    for aval, why in saved_residuals(layer, state, x, pos):
+        if "from the argument" in why:
+            continue
+        if str(aval.memory_space).endswith("Host"):
+            host += 1
+        elif "named '" in why:
+            named.add(why.split("named '")[1].split("'")[0])
+        else:
+            other.append((aval, why))
+    assert not other, f"{cfg.remat} saves activations it does not name: {other}"
+    return named, host
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_each_named_remat_policy_keeps_the_activations_it_names(style):
+    # MaxText's remat_policy names mean the same here: each keeps (on the device, or offloaded to the host) exactly
+    # the layer outputs it names. mlpwo never shows: the layer's output feeds only the next layer's (saved) input.
+    for policy, (saved, offloaded) in [*REMAT_SAVES.items(), ("custom", (("context", "mlpwo"), ("key_proj",)))]:
+        cfg = dataclasses.replace(SMALL, style=style, remat=policy, remat_save=saved if policy == "custom" else (),
+                                  remat_offload=offloaded if policy == "custom" else ()).resolved()
+        present = set(REMAT_NAMES) - {"mlpwo"} - ({"mlpwi"} if style == "llama" else {"mlpwi_0", "mlpwi_1"})
+        named, host = _layer_residuals(cfg)
+        assert named == set(saved) & present, (policy, named)
+        assert host == len(set(offloaded) & present), (policy, host)
 
 
 def test_bf16_compute_keeps_fp32_params():

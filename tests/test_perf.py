@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,6 +117,21 @@ def test_flops_per_token_matches_xla(kw):
     if cfg.remat != "none":  # the recompute really is counted: without it we would be further from XLA
         model_only = flops_per_token(cfg, L, causal=False) * B * L
         assert abs(xla / ours - 1) < abs(xla / model_only - 1) / 2, (xla, ours, model_only)
+
+
+def test_named_remat_policies_recompute_what_xla_recomputes():
+    # Differences from `minimal` (which recomputes only the attention core), so XLA's count of the elementwise work
+    # every policy redoes cancels: what is left is the projections each policy recomputes. A narrow MLP and a small
+    # vocabulary let the attention projections weigh in.
+    B, L = 2, 32
+    base = ModelConfig(d_model=64, n_layers=2, n_heads=4, max_seq_len=L, scan_layers=False, attention_impl="xla",
+                       style="llama", mlp_dim=32, vocab_size=64, remat="minimal")
+    ours = lambda c: flops_per_token(c, L, causal=False, hardware=True) * B * L  # noqa: E731
+    xla_minimal, ours_minimal = _grad_flops(base, B, L), ours(base)
+    for policy in ("save_qkv_proj", "save_dot_except_mlp", "save_out_proj", "full"):
+        cfg = dataclasses.replace(base, remat=policy)
+        xla, mine = _grad_flops(cfg, B, L) - xla_minimal, ours(cfg) - ours_minimal
+        assert mine > 0 and abs(xla / mine - 1) < 0.1, f"{policy}: XLA recomputes {xla:.4g} more, we count {mine:.4g}"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

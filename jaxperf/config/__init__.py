@@ -10,12 +10,12 @@ unknown key or a value of the wrong type raises `ConfigError` naming the key and
 from jaxperf.config.overrides import apply_overrides, parse_overrides
 from jaxperf.config.presets import DEFAULT_PRESET, PRESETS, get_config, register_preset
 from jaxperf.config.schema import (
-    SECTIONS, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, from_dict, to_dict,
+    REMAT_NAMES, SECTIONS, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, from_dict, to_dict,
 )
 from jaxperf.config.validate import FLAVOURS, MESH_AXES, mesh_shape, validate, validate_flavour, validate_model
 
 __all__ = [
-    "DEFAULT_PRESET", "FLAVOURS", "MESH_AXES", "PRESETS", "SECTIONS", "ConfigError", "DataConfig", "ModelConfig",
+    "DEFAULT_PRESET", "FLAVOURS", "MESH_AXES", "PRESETS", "REMAT_NAMES", "SECTIONS", "ConfigError", "DataConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "TrainConfig", "apply_overrides", "from_dict", "get_config", "mesh_shape",
     "parse_overrides", "register_preset", "to_dict", "validate", "validate_flavour", "validate_model",
 ]

@@ -27,7 +27,15 @@ Norm = Literal["layernorm", "rmsnorm"]
 Position = Literal["learned", "rope"]
 # gelu: GELU's tanh approximation (GPT-2's `gelu_new`); gelu_exact: the erf form (HF `activation_function: "gelu"`)
 MlpAct = Literal["gelu", "gelu_exact", "swiglu"]
-Remat = Literal["none", "full", "save_dots", "save_dots_no_batch", "save_attn_proj"]
+# none, full, the op-based save_dots*, MaxText's remat_policy names (saved or offloaded activations by name), custom
+# (model.remat_save and model.remat_offload); jaxperf.models.layers.REMAT_SAVES says what each keeps
+Remat = Literal["none", "full", "save_dots", "save_dots_no_batch", "minimal", "minimal_with_context",
+                "save_dot_with_context_except_mlp", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj",
+                "save_out_proj", "qkv_proj_offloaded", "minimal_offloaded", "save_attn_proj", "custom"]
+# The activations a remat policy can keep, by the names the layers tag them with (checkpoint_name), which are
+# MaxText's: q, k and v projections; the attention output before its projection (context); the output projection;
+# the MLP's gate (mlpwi_0), up (mlpwi_1; mlpwi in a GELU MLP) and down (mlpwo) projections, experts' alike.
+REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
 Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
 NormImpl = Literal["auto", "xla", "pallas"]
@@ -70,7 +78,12 @@ class ModelConfig:
     # see jaxperf.perf.memory). None: the platform's choice (jaxperf.models.platform.settle): on GPU the whole
     # stack; on CPU the whole stack when it has at most 4 layers, else 1; on TPU 1.
     scan_unroll: int | None = None
-    remat: Remat = "none"  # what the backward recomputes (jaxperf.models.gpt.REMAT_POLICIES)
+    remat: Remat = "none"  # what the backward recomputes (jaxperf.models.layers.REMAT_SAVES)
+    # remat=custom: the activations kept in device memory, and those moved to pinned host memory, by name
+    # (jaxperf.models.layers.REMAT_NAMES: query_proj, key_proj, value_proj, context, out_proj, mlpwi_0, mlpwi_1,
+    # mlpwi, mlpwo); every other activation is recomputed
+    remat_save: tuple[str, ...] = ()
+    remat_offload: tuple[str, ...] = ()
     dtype: Dtype = "float32"  # compute dtype (parameters stay param_dtype)
     param_dtype: ParamDtype = "float32"
     attention_impl: str = "auto"  # auto | xla | cudnn | pallas | any name registered with register_attention

@@ -8,7 +8,7 @@ import difflib
 import math
 
 from jaxperf.config.schema import (
-    ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, choices,
+    REMAT_NAMES, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, choices,
 )
 
 # Slowest-varying first: `data` spans slices and hosts, `tensor` the closest devices (its collectives are the most
@@ -99,8 +99,27 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if r.scan_unroll is not None and r.scan_unroll < 1:
         raise ConfigError(f"model.scan_unroll={r.scan_unroll} must be at least 1 (layers per scan iteration; "
                           f"{r.n_layers} unrolls all of them)")
+    _validate_remat(r)
     _validate_moe(r)
     return r
+
+
+def _validate_remat(r: ModelConfig) -> None:
+    """The names of remat=custom: known, each in one list, and only with custom."""
+    if r.remat != "custom":
+        if r.remat_save or r.remat_offload:
+            raise ConfigError(f"model.remat_save and model.remat_offload apply to model.remat=custom only (remat is "
+                              f"{r.remat!r}): set model.remat=custom, or clear them")
+        return
+    for key, names in (("remat_save", r.remat_save), ("remat_offload", r.remat_offload)):
+        unknown = [n for n in names if n not in REMAT_NAMES]
+        if unknown:
+            raise ConfigError(f"model.{key} names {', '.join(map(repr, unknown))}, which no layer tags: use names "
+                              f"from {', '.join(REMAT_NAMES)}")
+    both = sorted(set(r.remat_save) & set(r.remat_offload))
+    if both:
+        raise ConfigError(f"{', '.join(both)} is in both model.remat_save and model.remat_offload: keep each name in "
+                          f"one list")
 
 
 def _validate_moe(r: ModelConfig) -> None:

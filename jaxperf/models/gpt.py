@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
-from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup
+from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup, remat_policy
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.moe import STATS, MoE, MoeStats, is_moe_layer
 from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
@@ -94,7 +94,7 @@ class GPT(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[None], (B, L))
         x_BxLxD = self.embed(tokens_BxL, positions_BxL)
 
-        policy = REMAT_POLICIES[cfg.remat]
+        policy = remat_policy(cfg)
         hooks = self.hooks
 
         def apply(graphdef, state, x, pos, seg):

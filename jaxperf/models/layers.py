@@ -16,6 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxperf._compat import no_eager_sharding
+from jaxperf.config.schema import REMAT_NAMES  # noqa: F401 (re-exported: the names the policies below use)
 from jaxperf.models import kernels
 from jaxperf.models.attention import attention
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
@@ -29,14 +30,59 @@ from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 Axes = tuple[str | None, ...]
 
 
-# What each `model.remat` policy saves for the backward (the names are the layers' checkpoint_name tags).
+# The layers tag their activations with the names of jaxperf.config.schema.REMAT_NAMES, MaxText's, so a MaxText
+# remat_policy value means the same thing here.
+_QKV = ("query_proj", "key_proj", "value_proj")
+_PROJECTIONS = (*_QKV, "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo")
+
+
+def saving(saved=(), offloaded=()):
+    """The policy that keeps the activations named in `saved` in device memory, moves those in `offloaded` to pinned
+    host memory for the backward (where the backend has it: TPU and GPU), and recomputes everything else."""
+    if not offloaded:
+        return jax.checkpoint_policies.save_only_these_names(*saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(saved), names_which_can_be_offloaded=list(offloaded),
+        offload_src="device", offload_dst="pinned_host")
+
+
+# What each `model.remat` saves (device) or offloads (host) for the backward, as (saved, offloaded) names; the
+# dot-based policies save by op instead. "custom" takes the two lists from model.remat_save and model.remat_offload.
+REMAT_SAVES = {
+    "full": ((), ()),
+    "minimal": (_PROJECTIONS, ()),
+    "minimal_with_context": ((*_PROJECTIONS, "context"), ()),
+    "save_dot_with_context_except_mlp": ((*_QKV, "context", "out_proj"), ()),
+    "save_dot_except_mlpwi": ((*_QKV, "out_proj", "mlpwo"), ()),
+    "save_dot_except_mlp": ((*_QKV, "out_proj"), ()),
+    "save_qkv_proj": (_QKV, ()),
+    "save_out_proj": (("out_proj",), ()),
+    "qkv_proj_offloaded": ((), _QKV),
+    "minimal_offloaded": ((), _PROJECTIONS),
+    "save_attn_proj": ((*_QKV, "out_proj", "mlpwo"), ()),  # the older name of save_dot_except_mlpwi
+}
 REMAT_POLICIES = {
     "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.checkpoint_dots,
     "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    "save_attn_proj": jax.checkpoint_policies.save_only_these_names("attn_proj", "attn_out", "mlp_out"),
+    **{name: saving(*lists) for name, lists in REMAT_SAVES.items()},
 }
+REMAT_POLICIES["full"] = jax.checkpoint_policies.nothing_saveable
+
+
+def remat_saves(cfg) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(saved, offloaded) activation names under `cfg.remat`; None for the policies that save by op (none,
+    save_dots, save_dots_no_batch)."""
+    if cfg.remat == "custom":
+        return tuple(cfg.remat_save), tuple(cfg.remat_offload)
+    return REMAT_SAVES.get(cfg.remat)
+
+
+def remat_policy(cfg):
+    """The jax.checkpoint policy of `cfg.remat` (None for "none": the layer is not rematerialised)."""
+    if cfg.remat == "custom":
+        return saving(cfg.remat_save, cfg.remat_offload)
+    return REMAT_POLICIES[cfg.remat]
 
 
 def _param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: Axes, dtype) -> nnx.Param:
@@ -212,9 +258,9 @@ class Attention(nnx.Module):
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
 
-        q = checkpoint_name(proj(self.wq_DxHxDh, self.bias_q_HxDh, "heads"), "attn_proj")
-        k = checkpoint_name(proj(self.wk_DxKxDh, self.bias_k_KxDh, "kv_heads"), "attn_proj")
-        v = checkpoint_name(proj(self.wv_DxKxDh, self.bias_v_KxDh, "kv_heads"), "attn_proj")
+        q = checkpoint_name(proj(self.wq_DxHxDh, self.bias_q_HxDh, "heads"), "query_proj")
+        k = checkpoint_name(proj(self.wk_DxKxDh, self.bias_k_KxDh, "kv_heads"), "key_proj")
+        v = checkpoint_name(proj(self.wv_DxKxDh, self.bias_v_KxDh, "kv_heads"), "value_proj")
         if cfg.position == "rope":
             q, k = rope(q, positions_BxL, cfg.rope_theta), rope(k, positions_BxL, cfg.rope_theta)
         return q, k, v
@@ -225,7 +271,7 @@ class Attention(nnx.Module):
         y = _row(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), 2, hooks, self.grad_barrier)
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
-        return checkpoint_name(y, "attn_out")
+        return checkpoint_name(y, "out_proj")
 
     def __call__(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None = None,
                  hooks: LayerHooks = DEFAULT_HOOKS):
@@ -236,7 +282,7 @@ class Attention(nnx.Module):
         else:
             o_BxLxHxDh = attention(q, k, v, causal=True, segment_ids=segment_ids_BxL, impl=self.cfg.attention_impl,
                                    platform=self.cfg.platform)
-        return self._out(o_BxLxHxDh, hooks)
+        return self._out(checkpoint_name(o_BxLxHxDh, "context"), hooks)
 
     def cached(self, x_BxTxD, positions_BxT, k_cache_BxKxSxDh, v_cache_BxKxSxDh, index_B=None, *, attend=None):
         """Attention that reads and extends one layer's KV cache: (y [B, T, D], k_cache, v_cache).
@@ -322,14 +368,14 @@ class MLP(nnx.Module):
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
             gate = _column(x_BxLxD, self.w_gate_DxF[...].astype(dt), hooks, self.grad_barrier)
-            h = jax.nn.silu(gate) * h
+            h = jax.nn.silu(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(h, "mlpwi_1")
         else:
-            h = jax.nn.gelu(h, approximate=self.act != "gelu_exact")
+            h = jax.nn.gelu(checkpoint_name(h, "mlpwi"), approximate=self.act != "gelu_exact")
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = _row(h_BxLxF, self.w_out_FxD[...].astype(dt), 1, hooks, self.grad_barrier)
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
-        return checkpoint_name(y, "mlp_out")
+        return checkpoint_name(y, "mlpwo")
 
 
 class Block(nnx.Module):

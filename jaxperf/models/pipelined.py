@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxperf.models.layers import REMAT_POLICIES, dense
+from jaxperf.models.layers import dense, remat_policy
 from jaxperf.parallel.pipeline import check_layers, pipeline_value, split_microbatches
 from jaxperf.parallel.ring_attention import zigzag_order
 
@@ -71,7 +71,7 @@ def pipeline_loss(model: GPT, batch: dict[str, jax.Array], mesh: Mesh, n_micro: 
         return nnx.merge(graphdef, state)(x_BxLxD, pos_BxL, None, hooks)
 
     if cfg.remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[cfg.remat])
+        layer = jax.checkpoint(layer, policy=remat_policy(cfg))
 
     def stage_fn(params, x_bxLxD, pos_L):
         pos_bxL = jnp.broadcast_to(pos_L[None], x_bxLxD.shape[:2])

@@ -17,7 +17,9 @@ layer's forward that its backward needs and the policy did not save:
                          residual stream, i.e. the next layer's saved input, so XLA drops it), plus the attention core
     save_dots            nothing (every matmul output is saved; only elementwise work, which we do not count, is redone)
     save_dots_no_batch   the attention core (QK^T and PV are the only dots with batch dims)
-    save_attn_proj       the attention core and the MLP input (and gate) projections
+    named policies       the attention core, and each of the q, k, v, output and MLP input (gate, up) projections
+                         whose output the policy neither saves nor offloads (minimal: the core alone;
+                         save_dot_except_mlpwi, alias save_attn_proj: the core and the MLP input projections)
 
 A mixture-of-experts layer (jaxperf.models.moe) counts the parameters one token uses: the router (D x E), its k
 routed experts and the shared experts. Experts a token is not routed to do no work for it, so MFU is that of the
@@ -34,6 +36,7 @@ is why its figure sits a little above ours.
 from __future__ import annotations
 
 from jaxperf.config import ModelConfig
+from jaxperf.models.layers import remat_saves
 from jaxperf.models.moe import is_moe_layer
 
 
@@ -77,13 +80,24 @@ def recompute_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = 
     attn_fwd = attention_flops_per_token(r, seq_len, causal=causal) / 3
     if r.remat == "none" or r.remat == "save_dots":
         return 0.0
-    if r.remat == "full":
-        return 2 * sum(p["qkv"] + p["attn_out"] + p["mlp_in"] for p in layers) + attn_fwd
     if r.remat == "save_dots_no_batch":
         return attn_fwd
-    if r.remat == "save_attn_proj":
-        return 2 * sum(p["mlp_in"] for p in layers) + attn_fwd
-    raise ValueError(f"no recompute count for remat policy {r.remat!r}: add it to recompute_flops_per_token")
+    names = remat_saves(r)
+    if names is None:
+        raise ValueError(f"no recompute count for remat policy {r.remat!r}: add it to recompute_flops_per_token")
+    kept = set(names[0]) | set(names[1])  # an offloaded activation comes back from the host, it is not recomputed
+    q_share = r.n_heads / (r.n_heads + 2 * r.n_kv_heads)  # of the q, k, v projection parameters
+    qkv = q_share * ("query_proj" not in kept) + (1 - q_share) / 2 * (("key_proj" not in kept)
+                                                                      + ("value_proj" not in kept))
+    if r.mlp_act == "swiglu":
+        mlp_in = (("mlpwi_0" not in kept) + ("mlpwi_1" not in kept)) / 2
+    else:
+        mlp_in = float("mlpwi" not in kept)
+    # No named activation holds the attention probabilities (XLA) or the row logsumexp (flash), so the attention
+    # core's forward is counted whole even where the policy keeps its output ("context"): with XLA attention that
+    # is an upper bound, by QK^T's half, PV then being needed no more.
+    return 2 * sum(p["qkv"] * qkv + p["attn_out"] * ("out_proj" not in kept) + p["mlp_in"] * mlp_in
+                   for p in layers) + attn_fwd
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = True, hardware: bool = False) -> float:

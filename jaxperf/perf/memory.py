@@ -35,8 +35,8 @@ from flax import nnx
 
 from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
-from jaxperf.models.gpt import GPT, REMAT_POLICIES
-from jaxperf.models.layers import Block
+from jaxperf.models.gpt import GPT
+from jaxperf.models.layers import Block, remat_policy, remat_saves
 from jaxperf.models.moe import MoE, is_moe_layer
 from jaxperf.models.platform import layers_per_iteration, settle
 from jaxperf.parallel.mesh import normalize_platform, platform_of
@@ -214,12 +214,16 @@ def _saved_per_token_layer(r: ModelConfig, L: int, t: int, sp: bool = False) -> 
     f = _split(F, t)
     scores = 12 * _split(H * L, t)  # fp32 scores (masked in place), probabilities, and their gradient
     full = s * (6 * d + qkv + o + (gate + 1) * f) + scores
+    names = remat_saves(r)
+    if names is not None:  # the layer's input, and the named activations kept on the device (offloaded: host)
+        width = {"query_proj": _split(H * Dh, t), "key_proj": _split(K * Dh, t), "value_proj": _split(K * Dh, t),
+                 "context": o, "out_proj": d, "mlpwo": d, "mlpwi": f if gate == 1 else 0,
+                 "mlpwi_0": f if gate == 2 else 0, "mlpwi_1": f if gate == 2 else 0}
+        return s * (d + sum(width[n] for n in names[0])), full
     saved = {
         "none": full,
         "save_dots": full,
         "save_dots_no_batch": s * (3 * d + qkv + gate * f),
-        "save_attn_proj": s * (3 * d + qkv),
-        "full": s * d,
     }[r.remat]
     return saved, full
 
@@ -347,7 +351,9 @@ def _residuals(fn, *args, fused: bool = False) -> list:
         found = {}
         starts(canon.get(v, v), found, set())
         kept.update((k, c) for k, c in found.items() if c.aval.dtype != jnp.bool_)
-    avals = [(c.aval, made_by[c].primitive.name if c in made_by else None) for c in kept.values()]
+    # a residual the policy offloads lives in host memory until the backward: it takes no device memory
+    avals = [(c.aval, made_by[c].primitive.name if c in made_by else None) for c in kept.values()
+             if not str(getattr(c.aval, "memory_space", "")).endswith("Host")]
     shapes = [(a.shape, a.dtype) for a, _ in avals]
     return [a for a, prim in avals if not (prim == "exp" and shapes.count((a.shape, a.dtype)) > 1)]
 
@@ -386,7 +392,7 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bo
         return nnx.merge(graphdef, st)(x, pos, None)
 
     if remat != "none":
-        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+        layer = jax.checkpoint(layer, policy=remat_policy(cfg))
     sizes = []
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
