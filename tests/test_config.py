@@ -103,7 +103,8 @@ def test_choices_come_from_the_annotations_and_suggest_the_closest():
 
 def test_custom_remat_names_are_checked_before_compiling():
     cfg = get_config("tiny", ["remat=custom", "remat_save=query_proj,key_proj", "remat_offload=mlpwi"])
-    assert validate(cfg, 1).model.remat_offload == ("mlpwi",)
+    validate(cfg, 1)
+    assert cfg.model.remat_offload == ("mlpwi",)
     with pytest.raises(ConfigError, match=r"model.remat_save names 'attn_proj', which no layer tags: use names from "
                                           r"query_proj, key_proj"):
         validate(get_config("tiny", ["remat=custom", "remat_save=query_proj,attn_proj"]), 1)
