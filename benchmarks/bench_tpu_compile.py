@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from jaxperf.benchmarks._common import emit, record, strict_json
+from jaxperf.models.layers import REMAT_SAVES
 
 LIBTPU_PATH = os.environ.get("JAXPERF_LIBTPU_PATH", "/tmp/libtpu_pkg")
 REPO = Path(__file__).resolve().parents[1]
@@ -99,13 +100,9 @@ MATRIX_TOPOLOGIES = ("v5p:2x2x2", "v5p:2x2x4", "v5p:2x4x4", "v5p:4x4x4",
 MATRIX_ROWS = (1, 2, 4)
 MATRIX_SEQS = (2048, 4096, 8192)
 MATRIX_REMATS = ("full", "default")  # "default": MaxText's remat_policy as its base.yml sets it
-# MaxText remat_policy -> the jaxperf model.remat that saves the closest set of activations (jaxperf.models.layers
-# REMAT_POLICIES). "minimal" saves every projection's output (q, k, v, out, the MLP's gate, up and down): jaxperf's
-# save_dots_no_batch saves every matmul without batch dimensions, which are the same projections.
-# "save_dot_except_mlpwi" saves q, k, v, out and the MLP's output projection: jaxperf's save_attn_proj (attn_proj,
-# attn_out, mlp_out).
-MAXTEXT_REMAT = {"full": "full", "none": "none", "minimal": "save_dots_no_batch",
-                 "save_dot_except_mlpwi": "save_attn_proj"}
+# MaxText remat_policy -> the jaxperf model.remat compiled for it: the same name, since jaxperf's layers tag their
+# activations with MaxText's names (jaxperf.models.layers.REMAT_SAVES); "custom" needs its per-tensor settings.
+MAXTEXT_REMAT = {name: name for name in ("none", *REMAT_SAVES) if name != "save_attn_proj"}
 MAXTEXT_DEFAULT_REMAT = "full"  # base.yml `remat_policy: 'full'` in maxtext 0.2.5; read from base.yml when it is here
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "tpu.jsonl"
 # What the TPU compiler says when a program needs more HBM than the chip has (its RESOURCE_EXHAUSTED error).

@@ -32,7 +32,7 @@ def test_matrix_filters_and_names(tpu_bench):
     assert {c["model"] for c in cases} == {"mistral-7b", "llama2-13b"}
     assert [c["topology"] for c in cases if c["model"] == "mistral-7b" and c["remat"] == "full"] == [
         "v5p:2x2x4", "v6e:2x4", "v6e:4x4", "v6e:4x8", "v6e:8x8", "v5e:4x4"]
-    assert {(c["remat"], c["jaxperf_remat"]) for c in cases} == {("full", "full"), ("minimal", "save_dots_no_batch")}
+    assert {(c["remat"], c["jaxperf_remat"]) for c in cases} == {("full", "full"), ("minimal", "minimal")}
     assert {c["maxtext_topology"] for c in cases} >= {"v5p-32", "v6e-8", "v6e-64", "v5e-16"}
     assert len(tpu_bench.matrix_cases()) == 5 * 12 * 3 * 3  # models x topologies x rows x seqs, one remat
     with pytest.raises(SystemExit):
