@@ -186,6 +186,7 @@ def test_an_out_that_is_an_existing_file_is_one_line(tmp_path, capsys, command):
     (["quantize", "--checkpoint", "run", "--out", "q", "--batch-size", "0"], "--batch-size 0 must be at least 1"),
     (["export", "--checkpoint", "run", "--out", "hf", "--max-shard-size", "lots"], "--max-shard-size 'lots' is not"),
     (["compile", "--topology", "v5p:2x2x1", "--slices", "0"], "--slices 0 must be at least 1"),
+    (["compile", "--topology", "v5p:2x2x1", "--buffers", "-1"], "--buffers -1 must be 0 (no buffer list) or more"),
     (["info", "no_such_key=1"], "no_such_key"),
 ])
 def test_other_commands_name_the_flag(tmp_path, capsys, argv, message):

@@ -48,6 +48,18 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9
     assert p["collectives"]["all-gather"]["ops"] > 0 and not p["unknown_trip_counts"]  # fsdp gathers the weights
     assert p["hbm_bytes"] > b["arguments"]  # every weight and optimizer state is read at least once
+    # The largest buffers by kind (--buffers 10 by default), read from the compiler's buffer-assignment dump
+    # (jaxperf.perf.buffers; its parser is tested on an excerpt in tests/test_buffers.py): the kinds agree with the
+    # memory analysis, the arguments are named by their pytree paths, and the largest temporaries are the scan's
+    # saved activations, stacked over the two layers.
+    k = r["buffers"]
+    assert k["check"]["arguments_match"] and k["check"]["outputs_match"] and k["check"]["aliased_match"], k["check"]
+    assert k["bytes"]["parameters"] == b["arguments"] and k["bytes"]["donated"] == b["aliased"] > 0, (k["bytes"], b)
+    assert {"state.params", "state.opt_state", "batch"} <= set(k["arguments_by_group"]), k["arguments_by_group"]
+    params, temp = k["largest"]["parameters"], k["largest"]["temp"]
+    assert len(params) == 10 and all(e["name"].startswith(("state.", "batch")) for e in params), params
+    assert len(temp) == 10 and k["bytes"]["temp"] >= temp[0]["bytes"] >= temp[-1]["bytes"] > 0, temp
+    assert temp[0]["op"] == "fusion" and temp[0]["shape"].startswith("f32[2,"), temp[0]
     # The same run with the batch and the weights replicated (dp on one chip's worth of work per chip is the same
     # batch slice, but the parameters and Adam state are no longer split four ways): more argument bytes per chip.
     dp = _compile(["--topology", "v5p:2x2x1", "--json", *common, "strategy=dp", "data=4", "fsdp=1"], libtpu=True)

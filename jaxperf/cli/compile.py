@@ -1,7 +1,8 @@
-"""`jaxperf compile --topology v5p:4x4x4 [--slices N] [--preset NAME] [key=value ...] [--json]`.
+"""`jaxperf compile --topology v5p:4x4x4 [--slices N] [--preset NAME] [--buffers N] [key=value ...] [--json]`.
 
 Compiles a run's train step for a TPU slice on this machine (needs libtpu) and reports memory and FLOPs per chip
-(jaxperf.train.topology). Exit code 1 when the step does not fit the chip's memory, 2 for a bad flag or setting
+(jaxperf.train.topology), then the largest buffers of each kind from the compiler's buffer assignment
+(jaxperf.perf.buffers). Exit code 1 when the step does not fit the chip's memory, 2 for a bad flag or setting
 or a missing libtpu.
 """
 
@@ -24,6 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=None)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--hlo-out", default=None, help="also write the compiled program's optimized HLO text here")
+    p.add_argument("--buffers", type=int, default=10, metavar="N",
+                   help="list the N largest buffers per chip of each kind the TPU compiler assigned: parameters "
+                        "(weights, optimizer state, batch; donated ones are shared with the outputs), outputs, "
+                        "temporaries (the slots of the preallocated block, named by the HLO op that writes them, "
+                        "grouped by shape) and constants; read from its buffer-assignment dump; 0 turns it off "
+                        "(default %(default)s)")
     p.add_argument("overrides", nargs="*")
     return p
 
@@ -32,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.slices < 1:
         raise CommandError(f"--slices {args.slices} must be at least 1")
+    if args.buffers < 0:
+        raise CommandError(f"--buffers {args.buffers} must be 0 (no buffer list) or more")
     cfg = get_config(args.preset, args.overrides)  # ConfigError and TopologyError: one line, exit 2 (cli._errors)
-    report = compile_for_topology(cfg, args.topology, args.slices, hlo_out=args.hlo_out)
+    report = compile_for_topology(cfg, args.topology, args.slices, hlo_out=args.hlo_out, buffers=args.buffers)
     print(json.dumps(report) if args.json else format_report(report))
     return 0 if report["fits"] is not False else 1

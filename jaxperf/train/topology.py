@@ -10,14 +10,16 @@ devices and compiled by the TPU compiler. The figures are those of the real prog
 (parameters, optimizer state, batch), outputs, temporaries and code. FLOPs per chip per step come from jaxperf's
 model count (jaxperf.perf.flops, remat recomputation included), since XLA's cost analysis counts the body of a scanned
 layer stack once; both are reported. The step time is predicted from the compiled program (jaxperf.perf.predict):
-compute, HBM traffic and ICI traffic each at the chip's peak, loops counted by their trip counts. Nothing is allocated
-and nothing runs; a 4x4x4 slice compiles in seconds to minutes on a laptop-class CPU.
+compute, HBM traffic and ICI traffic each at the chip's peak, loops counted by their trip counts. With `buffers=N`
+the report also lists the largest buffers of each kind from the compiler's buffer assignment (jaxperf.perf.buffers).
+Nothing is allocated and nothing runs; a 4x4x4 slice compiles in seconds to minutes on a laptop-class CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import tempfile
 import time
 from typing import Any
 
@@ -29,6 +31,7 @@ from jaxperf.config import mesh_shape, validate
 from jaxperf.step.flavours import build_train_step
 from jaxperf.models.platform import implementation_choices, layers_per_iteration
 from jaxperf.parallel.mesh import make_mesh, platform_of
+from jaxperf.perf.buffers import buffer_report, dump_options, format_buffers, read_dump
 from jaxperf.perf.flops import flops_per_token
 from jaxperf.perf.hardware import chip_for
 from jaxperf.perf.memory import estimate
@@ -58,9 +61,35 @@ def topology_devices(topology: str, slices: int = 1) -> list:
     return list(desc.devices)
 
 
-def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | None = None) -> dict[str, Any]:
+def _compile_with_buffers(lowered, top: int) -> tuple[Any, float, dict[str, Any] | None]:
+    """Compile `lowered`: (compiled, seconds, buffers). With top > 0 the compiler also dumps its buffer assignment
+    for this program alone (the `xla_dump_to` compiler option), read back as `buffer_report(..., top)`. A compiler
+    that refuses the option compiles without it, and `buffers` says why it holds no list."""
+    t0 = time.perf_counter()
+    if top <= 0:
+        return lowered.compile(), time.perf_counter() - t0, None
+    with tempfile.TemporaryDirectory(prefix="jaxperf-buffers-") as d:
+        try:
+            compiled = lowered.compile(compiler_options=dump_options(d))
+        except Exception as e:  # noqa: BLE001 - an option this compiler does not take; the compile itself is retried
+            t0 = time.perf_counter()
+            return lowered.compile(), time.perf_counter() - t0, {"error": f"the compiler refused the dump option: {e}"}
+        seconds = time.perf_counter() - t0
+        try:
+            assignment = read_dump(d)
+        except ValueError as e:
+            return compiled, seconds, {"error": str(e)}
+    if assignment is None:
+        return compiled, seconds, {"error": "the compiler wrote no buffer assignment"}
+    return compiled, seconds, buffer_report(assignment, compiled.memory_analysis(), top)
+
+
+def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | None = None,
+                         buffers: int = 0) -> dict[str, Any]:
     """Compile cfg's train step for every chip of `topology` (times `slices`); returns a report (`format_report`).
     `hlo_out`: a path to write the compiled program's optimized HLO text to (for jaxperf.perf.hlo_cost or a reader).
+    `buffers`: with N > 0, the report's "buffers" holds the N largest buffers of each kind (parameters, outputs,
+    temporaries, constants) from the compiler's buffer assignment (jaxperf.perf.buffers).
 
     With several slices the run is data parallel across them (`parallel.dcn_data` is set to `slices`). The step is
     the one `parallel.flavour` trains with (jit or shard_map; pmap needs attached devices).
@@ -85,9 +114,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     batch = {"inputs": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=tok),
              "targets": jax.ShapeDtypeStruct((B, L), jnp.int32, sharding=tok),
              "mask": jax.ShapeDtypeStruct((B, L), jnp.float32, sharding=tok)}
-    t0 = time.perf_counter()
-    compiled = step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    compiled, compile_s, buffer_kinds = _compile_with_buffers(step.lower(state, batch), buffers)
 
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -142,6 +169,8 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "predicted_step_s": prediction.get("step_s"),
         "predicted_mfu": prediction.get("mfu"),
     }
+    if buffer_kinds is not None:
+        report["buffers"] = buffer_kinds
     return report
 
 
@@ -183,4 +212,7 @@ def format_report(r: dict[str, Any]) -> str:
                      f"<= {r['tokens_per_s_at_peak']:,.0f} tokens/s for the slice")
     if r.get("prediction"):
         lines += format_prediction(r["prediction"])
+    if r.get("buffers"):
+        lines += ([f"no buffer report: {r['buffers']['error']}"] if "error" in r["buffers"]
+                  else format_buffers(r["buffers"]))
     return "\n".join(lines)
