@@ -280,6 +280,20 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(float(score(5, 2)) - float(score(5, 4))) > 1e-4
 
 
+def test_rope_bf16_rotates_in_fp32():
+    """bf16 q/k are rotated in fp32 and rounded once: the same values as casting the whole vector first."""
+    x = jax.random.normal(jax.random.key(0), (2, 3, 2, 8)).astype(jnp.bfloat16)
+    pos = jnp.arange(3, dtype=jnp.int32)[None].repeat(2, 0)
+    freq = 10000.0 ** (-jnp.arange(4, dtype=jnp.float32) / 4)
+    angle = (pos.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :4], x32[..., 4:]
+    want = jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1)
+    got = rope(x, pos, 10000.0)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+
+
 def test_causality():
     """Changing a later token never changes an earlier position's logits."""
     model = GPT(SMALL, rngs=nnx.Rngs(0))

@@ -220,8 +220,10 @@ def rope(x_BxLxNxDh: jax.Array, positions_BxL: jax.Array, theta: float) -> jax.A
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_BxLx1xHalf = (positions_BxL.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
     sin, cos = jnp.sin(angle_BxLx1xHalf), jnp.cos(angle_BxLx1xHalf)
-    x = x_BxLxNxDh.astype(jnp.float32)
-    x1, x2 = x[..., :half], x[..., half:]
+    # halve before the fp32 cast (the same values): XLA:TPU fuses the cast into the rotation instead of writing an
+    # fp32 copy of q and k to HBM first
+    x1 = x_BxLxNxDh[..., :half].astype(jnp.float32)
+    x2 = x_BxLxNxDh[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BxLxNxDh.dtype)
 
