@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
 from jaxperf.models.gpt import GPT
-from jaxperf.models.moe import (MoE, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
+from jaxperf.models.moe import (MoE, _to_compute, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
                                 tiled_grouped_matmul)
 from jaxperf.models.platform import settle
 from jaxperf.perf.flops import matmul_params
@@ -155,6 +155,20 @@ def test_capacity_serves_every_first_choice_before_any_second_choice():
     np.testing.assert_allclose(y, _reference(moe, x, kept_TxE=first), rtol=1e-5, atol=1e-6)
 
 
+def test_the_expert_weights_cast_equals_the_plain_cast():
+    """`_to_compute` rounds fp32 to bf16 with reduce_precision before the cast (it keeps the TPU compiler from
+    casting the whole stack of experts before the layer loop): the same bits as `astype`, extremes included, and
+    the same gradient."""
+    x = jax.random.normal(jax.random.key(0), (4096,)) * jnp.logspace(-45, 38, 4096)
+    x = jnp.concatenate([x, jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0, 3.4e38, 1e-45, 1.00390625])])
+    ours, plain = jax.jit(lambda w: _to_compute(w, jnp.bfloat16))(x), x.astype(jnp.bfloat16)
+    assert ours.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32)))
+    loss = lambda cast, w: jnp.sum(jnp.sin(cast(w[:64]).astype(jnp.float32)))  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(functools.partial(loss, lambda w: _to_compute(w, jnp.bfloat16)))(x),
+                                  jax.grad(functools.partial(loss, lambda w: w.astype(jnp.bfloat16)))(x))
+
+
 def test_a_capacity_that_holds_every_slot_equals_dropless():
     x = jax.random.normal(jax.random.key(2), (2, 6, 16))
     dropless, capped = _moe(style="llama"), _moe(style="llama", capacity_factor=4.0)  # C = T * k: nothing dropped
@@ -276,21 +290,20 @@ def test_flops_count_the_active_experts():
 
 
 def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights():
-    """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor),
-    holds one layer's gathered experts and adds the compute-dtype copy of the stacked expert weights; tests/test_memory_tpu.py checks the totals against the
-    TPU compiler. Off TPU it refuses in one line."""
+    """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor) and
+    holds one layer's gathered experts, with no compute-dtype copy of the stacked experts (the layer casts its own
+    slice: `_to_compute`); tests/test_memory_tpu.py checks the totals against the TPU compiler. Off TPU it refuses
+    in one line."""
     base = ["batch_size=16", "fsdp=4", "strategy=fsdp", "attention_impl=xla", "loss_impl=xla", "dtype=bfloat16",
             "use_bias=false"]
     dropless = estimate(get_config("moe-tiny", base), 4, platform="tpu")
     roomy = estimate(get_config("moe-tiny", base + ["capacity_factor=4"]), 4, platform="tpu")
     assert roomy.activations > dropless.activations
     dense = estimate(get_config("tiny", base), 4, platform="tpu")
-    # moe-tiny's experts: 4 layers x 8 x (128 x 256 + 256 x 128) fp32 parameters, over fsdp=4, cast to bf16 once
-    cast = 4 * 8 * 2 * 128 * 256 * 2 / 4
     # FSDP's gathered layers in bf16: two of everything (the running layer and the next one's gather) but the
     # experts, held once (8 experts of 2 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8
     mlp_weights = (8 * 2 * 128 * 256 + 2 * 128 * 8 - 2 * 2 * 128 * 512) * 2
-    assert dropless.gathered - dense.gathered == cast + mlp_weights
+    assert dropless.gathered - dense.gathered == mlp_weights
     for platform in ("cpu", "gpu"):
         with pytest.raises(ConfigError, match=rf"models MoE layers \(model.n_experts=8\) for TPU only, not {platform}"):
             estimate(get_config("moe-tiny"), 1, platform=platform)

@@ -427,12 +427,9 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)
     r = cfg.model.resolved()
     params = 0.0
-    expert_params = 0.0  # the per-device bytes of stacked expert weights
     for leaf_shape, dtype, axes in _param_leaves(cfg.model):
-        size = math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params, shape)
-        params += size
-        if axes and axes[0] == "layers" and "expert" in axes:
-            expert_params += size
+        params += math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params,
+                                                                                    shape)
     kinds = _layer_kinds(r)
     # What FSDP holds gathered, of the larger layer kind: two layers' weights (the one running and the next one's
     # gather), but an MoE layer's experts once (the TPU compiler's buffer report for Mixtral-8x7B over 32 v5p chips:
@@ -461,10 +458,6 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     batch = cfg.batch_size / dp * L * 3 * 4
     compute = s / jnp.dtype(r.param_dtype).itemsize
     gathered = gathered_layers * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
-    if platform == "tpu":
-        # The TPU compiler casts a scanned stack's expert weights to the compute dtype once, before the layer loop
-        # (its buffer report: a convert of each whole [layers, E, ...] shard; llama-1b widths with 8 experts, v5p)
-        gathered += expert_params * compute
     stash = 0.0
     if stages > 1:  # the stage inputs held between a microbatch's forward and backward
         _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
