@@ -99,20 +99,20 @@ def test_decode_attention_of_an_empty_row_is_zeros():
     np.testing.assert_allclose(out[1:], xla_attention(q[1:], *prefix, causal=False), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("materialise", [False, True])
-def test_dense_is_the_einsum_in_value_and_gradient(materialise):
+@pytest.mark.parametrize("materialise,keep_dims", [(False, False), (True, False), (False, True)])
+def test_dense_is_the_einsum_in_value_and_gradient(materialise, keep_dims):
     kx, kw = jax.random.split(jax.random.key(3))
     x = jax.random.normal(kx, (2, 5, 3, 4))
     w = jax.random.normal(kw, (3, 4, 6))
     r = jnp.arange(2 * 5 * 6, dtype=jnp.float32).reshape(2, 5, 6) / 60
 
     def ours(x, w):
-        return jnp.sum(jax.nn.gelu(dense(x, w, n_in=2, grad_barrier=materialise)) * r)
+        return jnp.sum(jax.nn.gelu(dense(x, w, n_in=2, grad_barrier=materialise, keep_dims=keep_dims)) * r)
 
     def ref(x, w):
         return jnp.sum(jax.nn.gelu(jnp.einsum("blnh,nhd->bld", x, w)) * r)
 
-    np.testing.assert_allclose(dense(x, w, n_in=2, grad_barrier=materialise),
+    np.testing.assert_allclose(dense(x, w, n_in=2, grad_barrier=materialise, keep_dims=keep_dims),
                                jnp.einsum("blnh,nhd->bld", x, w), rtol=1e-5, atol=1e-5)
     for got, want in zip(jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w), jax.grad(ref, argnums=(0, 1))(x, w)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -105,7 +105,8 @@ def _materialise_cotangent(y: jax.Array) -> jax.Array:
 _materialise_cotangent.defvjp(lambda y: (y, None), lambda _, dy: (jax.lax.optimization_barrier(dy),))
 
 
-def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = False) -> jax.Array:
+def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = False,
+          keep_dims: bool = False) -> jax.Array:
     """x [..., *In] @ w [*In, *Out] -> [..., *Out]: the last `n_in` dims of x contract with the first of w.
 
     Computed as one 2-D matmul [prod(...), prod(In)] x [prod(In), prod(Out)], so every backend sees the plain GEMM
@@ -114,7 +115,11 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
     before the backward matmuls use it. XLA:CPU otherwise fuses the elementwise gradient of the following op (GELU,
     bias, softmax) into a transposing copy for the weight gradient, which costs more than the matmuls; GPU and TPU
     compilers fuse that well, so the model config turns it on for CPU meshes only (`model.matmul_grad_barrier`,
-    settled by jaxperf.models.platform).
+    settled by jaxperf.models.platform). `keep_dims` contracts the trailing dims in place, the weight kept in its
+    own shape (one dot_general): the attention projections use it on TPU, where flattening an fsdp-sharded
+    [D, H, Dh] weight to [D, H*Dh] leaves the backward's recomputed projection and its dx unable to share one gather
+    of the weight, so the compiler gathers it twice, each time in a collective-matmul loop that rewrites the whole
+    output per step.
 
     An int8 weight (`Int8Weight`, one scale per output channel) is multiplied as int8 values converted to x's dtype,
     and the [.., out] result is scaled afterwards: the fp32 weight is never rebuilt.
@@ -129,7 +134,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
             raise ValueError(f"dense: int8 scales {w.scale.shape} must be per output channel (1 on the input dims)")
         y = x.reshape(math.prod(lead), k) @ w.q.reshape(k, n).astype(x.dtype)
         y = y * w.scale.reshape(1, n).astype(y.dtype)
-    elif len(lead) > 1 and sequence_is_split():
+    elif len(lead) > 1 and (keep_dims or sequence_is_split()):
         # Rows split over the batch axes and the sequence over `seq` do not merge into one split dim: a 2-D reshape
         # would gather the sequence onto every device. Contract the trailing dims in place instead.
         y = jax.lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
@@ -141,20 +146,20 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
     return y.reshape(*lead, *out_shape)
 
 
-def _column(x_BxLxD, w, hooks: LayerHooks, grad_barrier: bool):
+def _column(x_BxLxD, w, hooks: LayerHooks, grad_barrier: bool, keep_dims: bool = False):
     """A column-parallel matmul (its output dims split over `tensor`); under sequence parallelism it gathers the
     sequence while it multiplies."""
     if hooks.sequence_parallel is not None:
         return sequence_parallel_column(x_BxLxD, w, hooks.sequence_parallel)
-    return dense(x_BxLxD, w, grad_barrier=grad_barrier)
+    return dense(x_BxLxD, w, grad_barrier=grad_barrier, keep_dims=keep_dims)
 
 
-def _row(h, w, n_in: int, hooks: LayerHooks, grad_barrier: bool):
+def _row(h, w, n_in: int, hooks: LayerHooks, grad_barrier: bool, keep_dims: bool = False):
     """A row-parallel matmul (its contracted dims split over `tensor`): partial sums added up, and under sequence
     parallelism split along the sequence again while they are computed."""
     if hooks.sequence_parallel is not None:
         return sequence_parallel_row(h, w, hooks.sequence_parallel, n_in)
-    return hooks.row_parallel(dense(h, w, n_in, grad_barrier=grad_barrier))
+    return hooks.row_parallel(dense(h, w, n_in, grad_barrier=grad_barrier, keep_dims=keep_dims))
 
 
 def embed_lookup(table, ids: jax.Array, dtype, *, mode=None) -> jax.Array:
@@ -238,6 +243,7 @@ class Attention(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.grad_barrier = bool(cfg.matmul_grad_barrier)
+        self.keep_dims = cfg.platform == "tpu"  # see `dense`
         self.wq_DxHxDh = _param(rngs, init, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
         self.wk_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
@@ -255,7 +261,7 @@ class Attention(nnx.Module):
         cfg, dt = self.cfg, x_BxLxD.dtype
 
         def proj(w, b, heads_axis):
-            y = _column(x_BxLxD, w[...].astype(dt), hooks, self.grad_barrier)
+            y = _column(x_BxLxD, w[...].astype(dt), hooks, self.grad_barrier, self.keep_dims)
             if b is not None:
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
@@ -270,7 +276,7 @@ class Attention(nnx.Module):
     def _out(self, o_BxLxHxDh: jax.Array, hooks: LayerHooks) -> jax.Array:
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
-        y = _row(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), 2, hooks, self.grad_barrier)
+        y = _row(o_BxLxHxDh, self.wo_HxDhxD[...].astype(dt), 2, hooks, self.grad_barrier, self.keep_dims)
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "out_proj")
