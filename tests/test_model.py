@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxperf.config import REMAT_NAMES, ModelConfig
 from jaxperf.models import GPT, REMAT_POLICIES, attention, xla_attention
-from jaxperf.models.layers import REMAT_SAVES, Block, decode_attention, dense, remat_policy, rope
+from jaxperf.models.layers import REMAT_SAVES, Block, decode_attention, dense, remat_policy, rope, to_compute
 from pallas_kernels.flash_attention import flash_attention_reference
 
 SMALL = ModelConfig(d_model=32, n_layers=2, n_heads=4, max_seq_len=16, vocab_size=64, vocab_multiple=64)
@@ -120,6 +120,20 @@ def test_dense_is_the_einsum_in_value_and_gradient(materialise, keep_dims):
         dense(x[..., :2], w, n_in=2)
 
 
+def test_to_compute_rounds_to_the_plain_casts_values_and_gradients():
+    w = jnp.concatenate([jax.random.normal(jax.random.key(0), (64,)) * 3.0,
+                         jnp.array([1e-40, -3e-39, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-9, 3.4e38, 0.0, -0.0])])
+    got = to_compute(w, jnp.bfloat16, round_first=True)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(w.astype(jnp.bfloat16), np.float32))
+    r = jnp.linspace(-2.0, 2.0, w.size)
+
+    def loss(w, round_first):
+        return jnp.sum(to_compute(w, jnp.bfloat16, round_first=round_first).astype(jnp.float32) * r)
+
+    np.testing.assert_array_equal(jax.grad(loss)(w, True), jax.grad(loss)(w, False))
+
+
 def test_explicit_impl_that_cannot_run_raises():
     q = jnp.zeros((1, 4, 2, 8))
     for platform in ("cpu", "tpu"):  # the platform a settled model config names
@@ -211,7 +225,9 @@ def _layer_residuals(cfg):
     """(names of the activations one checkpointed layer saves, how many it offloads to host memory)."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    block = Block(cfg, rngs=nnx.Rngs(0))
+    from jaxperf.models.moe import MoE
+
+    block = Block(cfg, rngs=nnx.Rngs(0), make_mlp=MoE if cfg.n_experts else None)
     graphdef, state = nnx.split(block)
     layer = jax.checkpoint(lambda st, x, pos: nnx.merge(graphdef, st)(x, pos, None), policy=remat_policy(cfg))
     x, pos = jnp.ones((1, 8, cfg.d_model)), jnp.arange(8)[None]
@@ -229,13 +245,15 @@ def _layer_residuals(cfg):
     return named, host
 
 
-@pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_each_named_remat_policy_keeps_the_activations_it_names(style):
+@pytest.mark.parametrize("style,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)])
+def test_each_named_remat_policy_keeps_the_activations_it_names(style, experts):
     # MaxText's remat_policy names mean the same here: each keeps (on the device, or offloaded to the host) exactly
-    # the layer outputs it names. mlpwo never shows: the layer's output feeds only the next layer's (saved) input.
+    # the layer outputs it names, an MoE layer's expert projections too. mlpwo never shows: the layer's output feeds
+    # only the next layer's (saved) input.
     for policy, (saved, offloaded) in [*REMAT_SAVES.items(), ("custom", (("context", "mlpwo"), ("key_proj",)))]:
         cfg = dataclasses.replace(SMALL, style=style, remat=policy, remat_save=saved if policy == "custom" else (),
-                                  remat_offload=offloaded if policy == "custom" else ()).resolved()
+                                  remat_offload=offloaded if policy == "custom" else (), n_experts=experts,
+                                  experts_per_token=2).resolved()
         present = set(REMAT_NAMES) - {"mlpwo"} - ({"mlpwi"} if style == "llama" else {"mlpwi_0", "mlpwi_1"})
         named, host = _layer_residuals(cfg)
         assert named == set(saved) & present, (policy, named)

@@ -136,6 +136,14 @@ def _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean=_identity) -> dict[
             "dropped": mean(dropped)}
 
 
+def _tag_hidden(h, gate):
+    """The experts' input projections named as the dense MLP names them (remat policies save them by name): up
+    (mlpwi_1) and gate (mlpwi_0) with SwiGLU, mlpwi alone otherwise."""
+    if gate is None:
+        return checkpoint_name(h, "mlpwi"), None
+    return checkpoint_name(h, "mlpwi_1"), checkpoint_name(gate, "mlpwi_0")
+
+
 def _activate(h, gate, act: str):
     """The dense MLP's nonlinearity (jaxperf.models.layers.MLP): SwiGLU, or GELU (tanh form unless gelu_exact)."""
     if act == "swiglu":
@@ -182,7 +190,7 @@ class MoE(nnx.Module):
             y_BxLxD, stats = self._expert_parallel(x_BxLxD, hooks.experts.mesh, hooks.experts.axis)
             if self.shared is not None:
                 y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
-            return checkpoint_name(y_BxLxD, "mlp_out"), stats
+            return checkpoint_name(y_BxLxD, "mlpwo"), stats
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
                                                                           self.router)
         y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
@@ -190,7 +198,7 @@ class MoE(nnx.Module):
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
-        return checkpoint_name(y_BxLxD, "mlp_out"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
+        return checkpoint_name(y_BxLxD, "mlpwo"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
 
     def _expert_parallel(self, x_BxLxD, mesh, axis: str):
         """The routed experts with their weights split over mesh axis `axis`: (y [B, L, D], stats), under shard_map
@@ -303,6 +311,7 @@ def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str)
     if b_in is not None:
         h_ExCxF = h_ExCxF + b_in[:, None, :]
     gate_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate) if w_gate is not None else None
+    h_ExCxF, gate_ExCxF = _tag_hidden(h_ExCxF, gate_ExCxF)
     out_ExCxD = jnp.einsum("ecf,efd->ecd", _activate(h_ExCxF, gate_ExCxF, act), w_out)
     if b_out is not None:
         out_ExCxD = out_ExCxD + b_out[:, None, :]
@@ -324,6 +333,7 @@ def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm):
     if b_in is not None:
         h_RxF = h_RxF + jnp.take(b_in, expert_R, axis=0, mode="clip")
     gate_RxF = gmm(x_RxD, w_gate, sizes_E) if w_gate is not None else None
+    h_RxF, gate_RxF = _tag_hidden(h_RxF, gate_RxF)
     out_RxD = gmm(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
     if b_out is not None:
         out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
