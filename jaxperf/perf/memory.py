@@ -511,7 +511,7 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # all-to-all, room for all S whatever the routing (jaxperf.parallel.expert), so the routed MLP's arrays
         # hold n x S rows where one device routing alone holds S. The extra rows are counted as XLA holds the
         # recomputed arrays (elementwise values inside the backward's fusions), less the MLP's input, which the
-        # layer's own trace counts. Mixtral-8x7B over v5p:2x4x4, expert=8 x fsdp=4: 0.997x the compiled bytes.
+        # layer's own trace counts. Mixtral-8x7B over v5p:2x4x4, expert=8 x fsdp=4: 0.986x the compiled bytes.
         more, own_input = n_ep - 1, seq * r.d_model * s
         saved_more = more * micro_rows * max(0.0, _moe_bytes_per_row(local, seq, r.remat) - own_input)
         saved_by[True] += saved_more
