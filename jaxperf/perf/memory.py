@@ -373,11 +373,13 @@ def _layer_kinds(r: ModelConfig) -> dict[bool, int]:
 
 @functools.lru_cache(maxsize=64)
 def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bool = False,
-                         moe: bool = False) -> float:
+                         moe: bool = False, lanes: bool = False) -> float:
     """Bytes one layer keeps for its backward per batch row of `seq` positions under `remat` (the arrays of
     `_residuals`, traced abstractly on 1 and 2 rows: the difference is what grows with the batch, so the layer's
     weights, gathered and counted apart, drop out); `fused`: the layers are unrolled (`_residuals`); `moe`: the
-    layer's MLP is the mixture of experts (its sorted token slots or capacity buffers are among the residuals)."""
+    layer's MLP is the mixture of experts (its sorted token slots or capacity buffers are among the residuals);
+    `lanes`: an array with head_dim minor (q, k, v, the attention output) is laid out in whole 128-lane tiles, as
+    the TPU lays out the Pallas attention's operands."""
     cfg = dataclasses.replace(model_cfg, remat=remat)
     if cfg.attention_impl == "cudnn" and jax.default_backend() != "gpu":
         # cuDNN attention traces only where a GPU is attached. Elsewhere (a CPU host estimating a GPU step) the flash
@@ -393,12 +395,18 @@ def _layer_bytes_per_row(model_cfg: ModelConfig, seq: int, remat: str, fused: bo
 
     if remat != "none":
         layer = jax.checkpoint(layer, policy=remat_policy(cfg))
+    Dh = cfg.resolved().head_dim
+    tile = 128 * math.ceil(Dh / 128) if lanes else Dh
+
+    def size(a) -> int:
+        minor = tile if a.ndim >= 2 and a.shape[-1] == Dh else a.shape[-1] if a.ndim else 1
+        return math.prod(a.shape[:-1]) * minor * a.dtype.itemsize
+
     sizes = []
     for rows in (1, 2):
         x = jax.ShapeDtypeStruct((rows, seq, cfg.d_model), jnp.dtype(cfg.dtype))
         pos = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
-        sizes.append(sum(math.prod(a.shape) * a.dtype.itemsize
-                         for a in _residuals(layer, state, x, pos, fused=fused)))
+        sizes.append(sum(size(a) for a in _residuals(layer, state, x, pos, fused=fused)))
     return float(sizes[1] - sizes[0])
 
 
@@ -501,10 +509,20 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     if unrolled_layers:
         per_iteration = 1
     # per layer kind (dense, MoE): what one layer saves, and what its backward recomputes beyond that ...
+    newer_tpu_compiler = platform == "tpu" and tpu_compiler_overlaps_loss()
+    # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to whole
+    # 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves). The TPU compiler from libtpu
+    # 0.0.52 on pads exactly what a layer keeps (its buffer report: q saved under save_qkv_proj is bf16[.., 32, 64] in
+    # 128 lanes, 2x its values; under remat full no layer keeps any): `lanes` counts each such residual in its tiles.
+    # The older compilers report temporaries beyond their own buffer assignment (1.5-2.1 GiB for llama-1b at 4 rows
+    # per chip), which a fixed share of q, k, v and the output padded in every layer stands for (`pad_saved`).
+    pallas_lanes = platform == "tpu" and r.attention_impl == "pallas" and bool(r.head_dim % 128)
+    lanes = pallas_lanes and newer_tpu_compiler
     saved_by, recompute_by = {}, {}
     for moe in kinds:
-        saved_by[moe] = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers, moe)
-        recompute_by[moe] = micro_rows * _layer_bytes_per_row(local, seq, "none", unrolled_layers, moe) - saved_by[moe]
+        saved_by[moe] = micro_rows * _layer_bytes_per_row(local, seq, r.remat, unrolled_layers, moe, lanes)
+        recompute_by[moe] = (micro_rows * _layer_bytes_per_row(local, seq, "none", unrolled_layers, moe, lanes)
+                             - saved_by[moe])
     n_ep = shape.get("expert", 1)
     if True in kinds and n_ep > 1 and not r.capacity_factor:
         # Dropless expert parallelism: each device's experts take a block of every device's S slots from the
@@ -517,9 +535,7 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         saved_by[True] += saved_more
         recompute_by[True] += more * micro_rows * (_moe_bytes_per_row(local, seq, "none") - own_input) - saved_more
     pad_saved = 0.0
-    if platform == "tpu" and r.attention_impl == "pallas" and r.head_dim % 128:
-        # The Mosaic kernel takes [L, Dh] blocks, so its q, k, v and output are laid out with Dh minor, padded to
-        # whole 128-lane tiles (XLA picks other layouts for the arrays the XLA attention saves)
+    if pallas_lanes and not lanes:
         pad = 128 * math.ceil(r.head_dim / 128) - r.head_dim
         pad_saved = micro_rows * seq * (2 * local.n_heads + 2 * local.n_kv_heads) * pad * s
     stack = sum(n / stages * (saved_by[moe] + pad_saved) for moe, n in kinds.items())
@@ -539,7 +555,6 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # unstacked, a layer's saved arrays are freed as its backward reads them, and its gradients take their
         # buffers (a scan frees its stacked buffer only whole)
         layer_bwd = max(0.0, layer_bwd - saved)
-    newer_tpu_compiler = platform == "tpu" and tpu_compiler_overlaps_loss()
     # k layers per scan iteration: the layers after the first add shares of their backward working sets, on top of
     # everything else (the compiler gives them no buffer the loss uses)
     share_recompute, share_attention = UNROLL_SHARES[newer_tpu_compiler]
