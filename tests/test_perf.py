@@ -411,6 +411,18 @@ def test_unrolled_layers_keep_matmul_operands_and_recompute_elementwise_chains()
     assert gathered[0] > 0 and gathered[1] == gathered[0]
 
 
+def test_lane_padding_counts_the_head_dim_arrays_a_layer_keeps():
+    # The TPU lays arrays with head_dim minor (64 here) out in 128-lane tiles: under save_qkv_proj the saved q, k and
+    # v take twice their values' bytes; under remat full a layer keeps none of them, so nothing is padded.
+    cfg = get_config("llama-1b", ["attention_impl=xla"]).model.resolved()
+    L, H, K, Dh, s = 256, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, 2
+    assert Dh == 64
+    qkv = memory._layer_bytes_per_row(cfg, L, "save_qkv_proj", lanes=True) - memory._layer_bytes_per_row(
+        cfg, L, "save_qkv_proj")
+    assert qkv == L * (H + 2 * K) * (128 - Dh) * s
+    assert memory._layer_bytes_per_row(cfg, L, "full", lanes=True) == memory._layer_bytes_per_row(cfg, L, "full")
+
+
 def test_unrolled_layers_free_their_saved_arrays_for_their_gradients():
     """In a Python loop a layer's backward writes its gradients where its own saved arrays were (llama-1b, save_dots:
     the layer's backward working set exceeds the loss's, so it is the one reduced)."""
