@@ -92,6 +92,11 @@ class ModelConfig:
     # Materialise each matmul's output gradient before the backward matmuls (helps XLA:CPU, which otherwise fuses
     # elementwise gradients into slow transposing copies). None: on when the step is compiled for CPU devices.
     matmul_grad_barrier: bool | None = None
+    # On TPU, round each fp32 layer weight to bf16's bits (reduce_precision) before its cast to a bf16 compute dtype:
+    # the same values and gradients, but the TPU compiler no longer casts the whole stacked weights once before the
+    # layer loop, a copy live through the step (Llama2-7B over 16 v5p chips: 809 MB per chip). Off by default: the
+    # memory estimate, made for the programs with the copy, then overshoots some (llama-1b on v6e:2x2: 1.13x).
+    round_weights_before_cast: bool = False
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
     # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled
     # config runs the portable choices: XLA for every "auto", scan_unroll 1, no barrier.
