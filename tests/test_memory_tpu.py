@@ -120,6 +120,8 @@ def test_estimate_within_10_percent_of_the_tpu_compiler(topology, preset, overri
                          capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    if any(o.endswith("_offloaded") for o in overrides):  # the program really moves activations to host memory
+        assert r["bytes_per_chip"]["host_temp"] > 0, r["bytes_per_chip"]
     assert abs(r["estimate"] / r["compiled"] - 1) <= TOL, (
         f"{topology} {preset} {' '.join(overrides)}: estimate {r['estimate'] / 2**20:.1f} MiB vs compiled "
         f"{r['compiled'] / 2**20:.1f} MiB ({r['estimate'] / r['compiled']:.3f}); parts {r['parts']}, compiled "

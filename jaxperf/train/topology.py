@@ -126,6 +126,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
     temp = int(getattr(mem, "temp_size_in_bytes", 0))
     code = int(getattr(mem, "generated_code_size_in_bytes", 0))
     total = arg + out - alias + temp + code
+    host_temp = int(getattr(mem, "host_temp_size_in_bytes", 0) or 0)  # activations a remat policy offloads
     xla_flops = float((cost or {}).get("flops", 0.0))
     # XLA's cost analysis counts the body of a loop once, so a scanned layer stack is under-counted n_layers times;
     # the step time at peak uses jaxperf's count (jaxperf.perf.flops, with the remat recomputation) instead.
@@ -155,7 +156,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
                    "per_iteration": layers_per_iteration(cfg.model, platform) if cfg.model.scan_layers
                    else cfg.model.n_layers},
         "bytes_per_chip": {"arguments": arg, "outputs": out, "aliased": alias, "temp": temp, "code": code,
-                           "total": total},
+                           "total": total, "host_temp": host_temp},
         "hbm_bytes": chip.hbm_bytes if chip else None,
         "fits": (total <= chip.hbm_bytes) if chip else None,
         "estimated_bytes_per_chip": int(est.total) if est else None,
@@ -197,7 +198,8 @@ def format_report(r: dict[str, Any]) -> str:
         _layers_line(r["layers"]),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
-        f" -> {b['total'] / GiB:.2f} GiB",
+        f" -> {b['total'] / GiB:.2f} GiB" + (f"; host memory {b['host_temp'] / GiB:.2f} GiB (offloaded activations)"
+                                              if b.get("host_temp") else ""),
     ]
     if r["hbm_bytes"]:
         verdict = "fits" if r["fits"] else "DOES NOT FIT"
