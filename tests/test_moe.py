@@ -291,7 +291,7 @@ def test_flops_count_the_active_experts():
 
 def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights():
     """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor) and
-    holds one layer's gathered experts, with no compute-dtype copy of the stacked experts (the layer casts its own
+    holds one layer's gathered experts (dropless: its largest expert weight), with no compute-dtype copy of the stacked experts (the layer casts its own
     slice: `_to_compute`); tests/test_memory_tpu.py checks the totals against the TPU compiler. Off TPU it refuses
     in one line."""
     base = ["batch_size=16", "fsdp=4", "strategy=fsdp", "attention_impl=xla", "loss_impl=xla", "dtype=bfloat16",
@@ -301,9 +301,11 @@ def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights(
     assert roomy.activations > dropless.activations
     dense = estimate(get_config("tiny", base), 4, platform="tpu")
     # FSDP's gathered layers in bf16: two of everything (the running layer and the next one's gather) but the
-    # experts, held once (8 experts of 2 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8
-    mlp_weights = (8 * 2 * 128 * 256 + 2 * 128 * 8 - 2 * 2 * 128 * 512) * 2
-    assert dropless.gathered - dense.gathered == mlp_weights
+    # experts, held once (8 experts of 2 x 128 x 256), and dropless, where each grouped matmul gathers its own
+    # weight, only the largest of them (8 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8
+    others = 2 * 128 * 8 - 2 * 2 * 128 * 512
+    assert roomy.gathered - dense.gathered == (8 * 2 * 128 * 256 + others) * 2
+    assert dropless.gathered - dense.gathered == (8 * 128 * 256 + others) * 2
     for platform in ("cpu", "gpu"):
         with pytest.raises(ConfigError, match=rf"models MoE layers \(model.n_experts=8\) for TPU only, not {platform}"):
             estimate(get_config("moe-tiny"), 1, platform=platform)

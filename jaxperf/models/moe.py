@@ -30,10 +30,12 @@ F one expert's hidden width, C expert capacity.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -209,7 +211,7 @@ class MoE(nnx.Module):
         E = self.w_in_ExDxF.shape[0]
         gmm = self._grouped_matmul(x_BxLxD)
 
-        def routed(x_BxLxD, router_DxE, weights):
+        def routed(x_BxLxD, router_DxE, weights, gmm=gmm):
             x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router)
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
@@ -241,7 +243,12 @@ class MoE(nnx.Module):
 
         def local(x_BxLxD, router_DxE, weights):
             whole = lambda w, spec: None if w is None else _gather_but(w, spec, axis)  # noqa: E731
-            return routed(x_BxLxD, whole(router_DxE, router_spec), tuple(map(whole, weights, w_specs)))
+            if factor > 0:
+                return routed(x_BxLxD, whole(router_DxE, router_spec), tuple(map(whole, weights, w_specs)))
+            # dropless: each grouped matmul takes its weight split and gathers it where it runs (`_regathered`)
+            matmuls = tuple(functools.partial(_regathered, gmm, spec, axis) for spec in w_specs[:3])
+            biases = tuple(map(whole, weights[3:], w_specs[3:]))
+            return routed(x_BxLxD, whole(router_DxE, router_spec), (*weights[:3], *biases), matmuls)
 
         run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, router_spec, w_specs),
                                 out_specs=(x_spec, P()))
@@ -275,6 +282,46 @@ def _gather_but(w: jax.Array, spec: P, keep: str) -> jax.Array:
         if names:
             w = jax.lax.all_gather(w, names, axis=dim, tiled=True)
     return w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _regathered(gmm, spec, keep, x_RxD, w, sizes_E):
+    """Inside shard_map: `gmm(x, _gather_but(w, spec, keep), sizes)` with the weight gathered where each pass uses
+    it: in the forward once its rows exist, in the backward again (`_regathered_bwd`) rather than kept whole."""
+    # gathered once its rows exist: w_out's gather waits for the activations, by when w_in's and w_gate's are done
+    w, x_RxD = jax.lax.optimization_barrier((w, x_RxD))
+    return gmm(x_RxD, _gather_but(w, spec, keep), sizes_E)
+
+
+def _regathered_fwd(gmm, spec, keep, x_RxD, w, sizes_E):
+    return _regathered(gmm, spec, keep, x_RxD, w, sizes_E), (x_RxD, w, sizes_E)
+
+
+def _regathered_bwd(gmm, spec, keep, res, dy):
+    """The gradients of one grouped matmul from its split weight, gathered here once `dy` exists (the barrier): no
+    expert weight stays whole from the (recomputed) forward into the backward. Kept whole, w_in, w_gate and w_out
+    were all live at once with the layer's activations, the step's peak. The gather's transpose reduce-scatters the
+    weight's gradient."""
+    x_RxD, w, sizes_E = res
+    w_now, dy = jax.lax.optimization_barrier((w, dy))
+    _, pull = jax.vjp(lambda x, w: gmm(x, _gather_but(w, spec, keep), sizes_E), x_RxD, w_now)
+    dx, dw = pull(dy)
+    # summed over the token axes the primal is not split over (data, say), as autodiff's own transpose would
+    sums = _extra_axes(dx, x_RxD), _extra_axes(dw, w)
+    # the split gradient bound to dx: reduce-scattered (on a multi-dim torus the TPU compiler runs that as an
+    # all-reduce of the whole weight and a slice) before the backward goes on, not held whole until its slice is
+    # stored into the stacked gradient at the end of the layer
+    dx, dw = jax.lax.optimization_barrier((dx, dw))
+    dx, dw = (jax.lax.psum(v, axes) if axes else v for v, axes in zip((dx, dw), sums))
+    return dx, dw, np.zeros(sizes_E.shape, jax.dtypes.float0)
+
+
+def _extra_axes(ct, primal) -> tuple[str, ...]:
+    """Inside shard_map: the mesh axes cotangent `ct` varies over and `primal` does not."""
+    return tuple(sorted(_compat.varying_axes(ct) - _compat.varying_axes(primal)))
+
+
+_regathered.defvjp(_regathered_fwd, _regathered_bwd)
 
 
 def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str, gmm):
@@ -322,19 +369,20 @@ def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str)
 
 
 def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm):
-    """Each row through its expert's MLP by grouped matmuls (`gmm`, a "grouped_matmul" implementation), in row
-    order. `expert_R` holds indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row
+    """Each row through its expert's MLP by grouped matmuls (`gmm`, a "grouped_matmul" implementation, or one each
+    for w_in, w_gate and w_out), in row order. `expert_R` holds indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row
     whose index is E (an empty row of an all-to-all buffer) is in no group and comes out as garbage the caller never
     reads."""
     w_in, w_gate, w_out, b_in, b_out = weights
+    gmm_in, gmm_gate, gmm_out = gmm if isinstance(gmm, tuple) else (gmm,) * 3
     order_R, sizes_E = ep.group_rows(expert_R, w_in.shape[0])
     x_RxD, expert_R = x_RxD[order_R], expert_R[order_R]
-    h_RxF = gmm(x_RxD, w_in, sizes_E)
+    h_RxF = gmm_in(x_RxD, w_in, sizes_E)
     if b_in is not None:
         h_RxF = h_RxF + jnp.take(b_in, expert_R, axis=0, mode="clip")
-    gate_RxF = gmm(x_RxD, w_gate, sizes_E) if w_gate is not None else None
+    gate_RxF = gmm_gate(x_RxD, w_gate, sizes_E) if w_gate is not None else None
     h_RxF, gate_RxF = _tag_hidden(h_RxF, gate_RxF)
-    out_RxD = gmm(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
+    out_RxD = gmm_out(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
     if b_out is not None:
         out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
     return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)  # back to row order

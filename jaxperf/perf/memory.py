@@ -37,7 +37,7 @@ from jaxperf import _compat
 from jaxperf.config import MESH_AXES, ConfigError, ModelConfig, TrainConfig, mesh_shape, validate
 from jaxperf.models.gpt import GPT
 from jaxperf.models.layers import Block, remat_policy, remat_saves
-from jaxperf.models.moe import MoE, is_moe_layer
+from jaxperf.models.moe import MoE, is_moe_layer, routes_per_device
 from jaxperf.models.platform import layers_per_iteration, settle
 from jaxperf.parallel.mesh import normalize_platform, platform_of
 from jaxperf.parallel.pipeline import schedule_ticks
@@ -462,18 +462,25 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     kinds = _layer_kinds(r)
     # What FSDP holds gathered, of the larger layer kind: two layers' weights (the one running and the next one's
     # gather), but an MoE layer's experts once (the TPU compiler's buffer report for Mixtral-8x7B over 32 v5p chips:
-    # one layer's gathered experts in the backward loop, none prefetched). A Python loop's layers are gathered one at
-    # a time as well, so their weights are read off a stacked model of each kind.
+    # one layer's gathered experts in the backward loop, none prefetched), and only the largest expert weight where
+    # each device routes its own tokens dropless (each grouped matmul gathers its weight where it runs, forward and
+    # backward: `moe._regathered`). A Python loop's layers are gathered one at a time as well, so their weights are
+    # read off a stacked model of each kind.
+    one_expert_weight = not r.capacity_factor and routes_per_device(cfg, shape)
     gathered_layers = 0.0
     for moe in kinds:
         stacked = dataclasses.replace(cfg.model, scan_layers=True, moe_every=1,
                                       n_experts=cfg.model.n_experts if moe else 0)
-        held = 0.0
+        held, experts = 0.0, []
         for leaf_shape, dtype, axes in _param_leaves(stacked):
             if axes and axes[0] == "layers":
                 size = (math.prod(leaf_shape[1:]) * jnp.dtype(dtype).itemsize
                         / _shard_factor(leaf_shape[1:], axes[1:], rules.params, {**shape, "fsdp": 1}))
-                held += size if "expert" in axes else 2 * size
+                if "expert" in axes:
+                    experts.append(size)
+                else:
+                    held += 2 * size
+        held += (max(experts) if one_expert_weight else sum(experts)) if experts else 0.0
         gathered_layers = max(gathered_layers, held)
     # the batch splits over data and fsdp, and over expert too (outside the MoE layers the axis is data parallel)
     dp = shape["data"] * shape["fsdp"] * shape.get("expert", 1)
