@@ -92,7 +92,11 @@ class ModelConfig:
     # Materialise each matmul's output gradient before the backward matmuls (helps XLA:CPU, which otherwise fuses
     # elementwise gradients into slow transposing copies). None: on when the step is compiled for CPU devices.
     matmul_grad_barrier: bool | None = None
-    # On TPU, round each fp32 layer weight to bf16's bits (reduce_precision) before its cast to a bf16 compute dtype:
+    # Contract q, k, v and the attention output with the weights' own [D, H, Dh] shapes, not flattened to [D, H*Dh].
+    # None: the platform's choice (jaxperf.models.platform): on TPU, where the backward's recomputed projection and
+    # its input gradient then share one FSDP gather of each weight (flattened, XLA gathered it twice)
+    keep_head_dims: bool | None = None
+    # Round each fp32 layer weight to bf16's bits (reduce_precision) before its cast to a bf16 compute dtype:
     # the same values and gradients, but the TPU compiler no longer casts the whole stacked weights once before the
     # layer loop, a copy live through the step (Llama2-7B over 16 v5p chips: 809 MB per chip). Off by default: the
     # memory estimate, made for the programs with the copy, then overshoots some (llama-1b on v6e:2x2: 1.13x).

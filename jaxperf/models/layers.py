@@ -147,7 +147,7 @@ def dense(x: jax.Array, w: jax.Array, n_in: int = 1, *, grad_barrier: bool = Fal
 
 
 def to_compute(w, dt, *, round_first: bool = False):
-    """A layer weight `w` cast to the compute dtype `dt`. With `round_first` (model.round_weights_before_cast, on TPU)
+    """A layer weight `w` cast to the compute dtype `dt`. With `round_first` (model.round_weights_before_cast)
     an fp32 weight bound for bf16 is rounded by `reduce_precision` to bf16's bits first: the same values (and
     gradients) as the plain cast. The TPU compiler turns a plain cast of a scanned layer's slice of the stacked
     weights into a cast of the whole stacked shard before the layer loop, a bf16 copy of every layer's weights live
@@ -255,8 +255,8 @@ class Attention(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.cfg = cfg
         self.grad_barrier = bool(cfg.matmul_grad_barrier)
-        self.on_tpu = cfg.platform == "tpu"  # contract in place (`dense` keep_dims)
-        self.round_weights = self.on_tpu and bool(cfg.round_weights_before_cast)  # see `to_compute`
+        self.keep_dims = bool(cfg.keep_head_dims)  # contract in place (`dense` keep_dims)
+        self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
         self.wq_DxHxDh = _param(rngs, init, (D, H, Dh), ("embed", "heads", "head_dim"), pd)
         self.wk_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
@@ -275,7 +275,7 @@ class Attention(nnx.Module):
 
         def proj(w, b, heads_axis):
             y = _column(x_BxLxD, to_compute(w[...], dt, round_first=self.round_weights), hooks, self.grad_barrier,
-                        self.on_tpu)
+                        self.keep_dims)
             if b is not None:
                 y = y + _bcast(b[...].astype(dt), y.ndim)
             return constrain(y, ("batch", "seq", heads_axis, "head_dim"))
@@ -291,7 +291,7 @@ class Attention(nnx.Module):
         dt = o_BxLxHxDh.dtype
         o_BxLxHxDh = constrain(o_BxLxHxDh, ("batch", "seq", "heads", "head_dim"))
         wo = to_compute(self.wo_HxDhxD[...], dt, round_first=self.round_weights)
-        y = _row(o_BxLxHxDh, wo, 2, hooks, self.grad_barrier, self.on_tpu)
+        y = _row(o_BxLxHxDh, wo, 2, hooks, self.grad_barrier, self.keep_dims)
         if self.bias_o_D is not None:
             y = y + _bcast(self.bias_o_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "out_proj")
@@ -377,7 +377,7 @@ class MLP(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         self.act = cfg.mlp_act
         self.grad_barrier = bool(cfg.matmul_grad_barrier)
-        self.round_weights = cfg.platform == "tpu" and bool(cfg.round_weights_before_cast)  # see `to_compute`
+        self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
