@@ -149,3 +149,13 @@ def test_presets_are_functions_and_configs_round_trip_through_json():
         assert get_config("tiny-short", ["seed=3"]).max_steps == 7
     finally:
         PRESETS.pop("tiny-short")
+
+
+def test_a_config_read_back_from_config_json_has_no_changes():
+    # config.json holds tuples as lists: a resume must not see `() -> []` as a changed setting
+    from jaxperf.train.rundir import config_changes
+
+    saved = json.loads(json.dumps(to_dict(get_config("tiny", ["remat=custom", "remat_save=query_proj"]))))
+    assert config_changes(saved, to_dict(get_config("tiny", ["remat=custom", "remat_save=query_proj"]))) == {}
+    assert config_changes(saved, to_dict(get_config("tiny", ["remat=custom", "remat_save=key_proj"]))) == {
+        "model.remat_save": (["query_proj"], ["key_proj"])}

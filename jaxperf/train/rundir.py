@@ -36,12 +36,13 @@ class RunDirError(RuntimeError):
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value}, a tuple as the list config.json holds (a config read back compares equal to its own)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
-            out[f"{prefix}{k}"] = v
+            out[f"{prefix}{k}"] = list(v) if isinstance(v, tuple) else v
     return out
 
 
