@@ -14,7 +14,8 @@ from flax import nnx
 
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
 from jaxperf.models.gpt import GPT
-from jaxperf.models.moe import (MoE, _to_compute, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
+from jaxperf.models.layers import to_compute
+from jaxperf.models.moe import (MoE, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
                                 tiled_grouped_matmul)
 from jaxperf.models.platform import settle
 from jaxperf.perf.flops import matmul_params
@@ -156,16 +157,17 @@ def test_capacity_serves_every_first_choice_before_any_second_choice():
 
 
 def test_the_expert_weights_cast_equals_the_plain_cast():
-    """`_to_compute` rounds fp32 to bf16 with reduce_precision before the cast (it keeps the TPU compiler from
+    """`layers.to_compute` rounds fp32 to bf16 with reduce_precision before the cast (it keeps the TPU compiler from
     casting the whole stack of experts before the layer loop): the same bits as `astype`, extremes included, and
     the same gradient."""
     x = jax.random.normal(jax.random.key(0), (4096,)) * jnp.logspace(-45, 38, 4096)
     x = jnp.concatenate([x, jnp.array([jnp.nan, jnp.inf, -jnp.inf, 0.0, -0.0, 3.4e38, 1e-45, 1.00390625])])
-    ours, plain = jax.jit(lambda w: _to_compute(w, jnp.bfloat16))(x), x.astype(jnp.bfloat16)
+    ours, plain = jax.jit(lambda w: to_compute(w, jnp.bfloat16, round_first=True))(x), x.astype(jnp.bfloat16)
     assert ours.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(ours.astype(jnp.float32)), np.asarray(plain.astype(jnp.float32)))
     loss = lambda cast, w: jnp.sum(jnp.sin(cast(w[:64]).astype(jnp.float32)))  # noqa: E731
-    np.testing.assert_array_equal(jax.grad(functools.partial(loss, lambda w: _to_compute(w, jnp.bfloat16)))(x),
+    rounded = lambda w: to_compute(w, jnp.bfloat16, round_first=True)  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(functools.partial(loss, rounded))(x),
                                   jax.grad(functools.partial(loss, lambda w: w.astype(jnp.bfloat16)))(x))
 
 
@@ -292,7 +294,7 @@ def test_flops_count_the_active_experts():
 def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights():
     """The TPU estimate traces the MoE layer itself (the capacity path's [E, C, D] buffers grow with the factor) and
     holds one layer's gathered experts (dropless: its largest expert weight), with no compute-dtype copy of the stacked experts (the layer casts its own
-    slice: `_to_compute`); tests/test_memory_tpu.py checks the totals against the TPU compiler. Off TPU it refuses
+    slice: `layers.to_compute`); tests/test_memory_tpu.py checks the totals against the TPU compiler. Off TPU it refuses
     in one line."""
     base = ["batch_size=16", "fsdp=4", "strategy=fsdp", "attention_impl=xla", "loss_impl=xla", "dtype=bfloat16",
             "use_bias=false"]

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxperf import _compat
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
-from jaxperf.models.layers import MLP, _param, _zeros
+from jaxperf.models.layers import MLP, _param, _zeros, to_compute
 from jaxperf.models.registry import implementation, register
 from jaxperf.parallel import expert as ep
 from jaxperf.parallel.rules import activation_spec, param_spec
@@ -180,7 +180,7 @@ class MoE(nnx.Module):
 
     def _weights(self, dt):
         """(w_in, w_gate, w_out, b_in, b_out) in the compute dtype, None where absent."""
-        opt = lambda p: None if p is None else _to_compute(p[...], dt)  # noqa: E731
+        opt = lambda p: None if p is None else to_compute(p[...], dt, round_first=True)  # noqa: E731
         return (opt(self.w_in_ExDxF), opt(self.w_gate_ExDxF), opt(self.w_out_ExFxD), opt(self.bias_in_ExF),
                 opt(self.bias_out_ExD))
 
@@ -253,17 +253,6 @@ class MoE(nnx.Module):
         run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, router_spec, w_specs),
                                 out_specs=(x_spec, P()))
         return run(x_BxLxD, router_w, weights)
-
-
-def _to_compute(w: jax.Array, dt) -> jax.Array:
-    """`w` cast to the compute dtype `dt`; fp32 to bf16 rounded first by `reduce_precision` to bf16's bits (the same
-    values as the plain cast, denormals included). The TPU compiler's bf16 propagation turns a plain cast of a scanned
-    layer's slice of stacked weights into a cast of the whole stacked shard before the layer loop, a copy live for the
-    whole step (Mixtral-8x7B's experts over 32 v5p chips: 2.8 GB per chip); the rounding needs the fp32 slice, which
-    keeps the loop's input fp32 and the cast inside the layer, on one layer's shard."""
-    if w.dtype != jnp.float32 or jnp.dtype(dt) != jnp.bfloat16:
-        return w.astype(dt)
-    return jax.lax.reduce_precision(w, exponent_bits=8, mantissa_bits=7).astype(dt)
 
 
 def _only(spec: P, axes: set[str]) -> P:
