@@ -18,6 +18,7 @@ collective times at the device's peaks) against the measured median.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
 import re
@@ -154,7 +155,11 @@ def main(argv: list[str] | None = None) -> dict:
                                             op_name and op_name.group(1)[-160:]) if x))
     if args.hlo_out:
         Path(args.hlo_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.hlo_out).write_text(compiled.as_text())
+        text = compiled.as_text()
+        if args.hlo_out.endswith(".gz"):  # an unrolled stack's program runs to megabytes of text
+            Path(args.hlo_out).write_bytes(gzip.compress(text.encode()))
+        else:
+            Path(args.hlo_out).write_text(text)
         result["hlo_out"] = args.hlo_out
     if args.analyze:
         result["analysis"] = analyze(cfg, mesh, compiled, median, live.get("peak_bytes_in_use"))

@@ -61,6 +61,7 @@ DEFAULT_BUDGET_S = 390  # the default pass, whatever the stages' own limits leav
 # MaxText's single-host GPU flags (its configs/gpu); measured here as a train-stage variant before any is adopted.
 MAXTEXT_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_triton_gemm=false "
                      "--xla_gpu_enable_command_buffer=")
+NO_TRITON_GEMM_FLAGS = "--xla_gpu_enable_triton_gemm=false"
 
 
 @dataclasses.dataclass
@@ -131,6 +132,12 @@ def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path, out: Pa
                         ("llama-1b_b8_maxtext_flags", "llama-1b", ["batch_size=8"])):
                     jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150,
                                            flags=MAXTEXT_GPU_FLAGS))
+                # cuBLAS for every matmul: XLA's Triton GEMM fusions are the one flag MaxText sets that changes
+                # which kernels a single-GPU step runs.
+                for name, preset, overrides in (("gpt2-small_b32_cublas", "gpt2-small", ["batch_size=32"]),
+                                                ("llama-1b_b8_cublas", "llama-1b", ["batch_size=8"])):
+                    jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=150,
+                                           flags=NO_TRITON_GEMM_FLAGS))
             # Where the device time goes: kernel time per XLA op over a few traced steps (the memory stage traces too).
             profiled = (("gpt2-small_b32_profile", "gpt2-small", ["batch_size=32"]),
                         ("llama-1b_b8_profile", "llama-1b", ["batch_size=8"]))
@@ -170,7 +177,7 @@ def plan(stages: list[str], *, dry: bool, full: bool, nanogpt_dir: Path, out: Pa
             for name, preset, overrides in (("gpt2-small_b32", "gpt2-small", ["batch_size=32"]),
                                             ("llama-1b_b8", "llama-1b", ["batch_size=8"])):
                 jobs.append(_train_job(stage, name, preset, overrides, dry=dry, timeout_s=100, analyze=True, steps=5,
-                                       extra=["--profile-steps", "3", "--hlo-out", str(out / "hlo" / f"{name}.txt")]))
+                                       extra=["--profile-steps", "3", "--hlo-out", str(out / "hlo" / f"{name}.txt.gz")]))
                 if dry:
                     break
     return jobs
