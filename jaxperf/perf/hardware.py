@@ -36,26 +36,33 @@ class Chip:
     hbm_bw: float  # bytes/s
     interconnect_bw: float  # bytes/s per chip, one direction (NVLink / ICI; PCIe where no NVLink)
     int8_ops: float | None = None  # dense int8 OP/s
+    platform: str = "tpu"  # "gpu": its kernels run one after another (jaxperf.perf.predict times them so)
 
 
 T, G, GiB = 1e12, 1e9, 2**30
+
+
+def _gpu(*args: Any) -> Chip:
+    return Chip(*args, platform="gpu")
+
+
 # Matched against jax.Device.device_kind: every substring of a key must appear (case-insensitive); first hit wins, so
 # the more specific keys come first. Known device_kind strings: "NVIDIA H100 80GB HBM3" (SXM), "NVIDIA H100 PCIe",
 # "NVIDIA H200", "NVIDIA A100-SXM4-40GB", "NVIDIA A100 80GB PCIe", "NVIDIA L4", "TPU v4", "TPU v5 lite" (v5e),
 # "TPU v5" / "TPU v5p", "TPU v6 lite" (v6e).
 CHIPS: tuple[tuple[tuple[str, ...], Chip], ...] = (
     # H100 PCIe: HBM2e 2.0 TB/s, PCIe Gen5 x16 (64 GB/s each way).
-    (("H100", "PCIe"), Chip("H100 PCIe", 756 * T, 51 * T, 1513 * T, 80 * GiB, 2.0e12, 64 * G, 1513 * T)),
+    (("H100", "PCIe"), _gpu("H100 PCIe", 756 * T, 51 * T, 1513 * T, 80 * GiB, 2.0e12, 64 * G, 1513 * T)),
     # H100 SXM: HBM3 3.35 TB/s, NVLink 4 900 GB/s both ways.
-    (("H100",), Chip("H100 SXM", 989 * T, 67 * T, 1979 * T, 80 * GiB, 3.35e12, 450 * G, 1979 * T)),
+    (("H100",), _gpu("H100 SXM", 989 * T, 67 * T, 1979 * T, 80 * GiB, 3.35e12, 450 * G, 1979 * T)),
     # H200 SXM: same compute as H100 SXM, 141 GB HBM3e (nvidia-smi: 143771 MiB) at 4.8 TB/s.
-    (("H200",), Chip("H200 SXM", 989 * T, 67 * T, 1979 * T, 143771 * 2**20, 4.8e12, 450 * G, 1979 * T)),
+    (("H200",), _gpu("H200 SXM", 989 * T, 67 * T, 1979 * T, 143771 * 2**20, 4.8e12, 450 * G, 1979 * T)),
     # A100: no fp8; 40GB HBM2 1.555 TB/s, 80GB HBM2e 2.039 TB/s (SXM; PCIe 1.935), NVLink 3 600 GB/s both ways.
-    (("A100", "40GB"), Chip("A100 40GB", 312 * T, 19.5 * T, None, 40 * GiB, 1.555e12, 300 * G, 624 * T)),
-    (("A100", "PCIe"), Chip("A100 80GB PCIe", 312 * T, 19.5 * T, None, 80 * GiB, 1.935e12, 300 * G, 624 * T)),
-    (("A100",), Chip("A100 80GB", 312 * T, 19.5 * T, None, 80 * GiB, 2.039e12, 300 * G, 624 * T)),
+    (("A100", "40GB"), _gpu("A100 40GB", 312 * T, 19.5 * T, None, 40 * GiB, 1.555e12, 300 * G, 624 * T)),
+    (("A100", "PCIe"), _gpu("A100 80GB PCIe", 312 * T, 19.5 * T, None, 80 * GiB, 1.935e12, 300 * G, 624 * T)),
+    (("A100",), _gpu("A100 80GB", 312 * T, 19.5 * T, None, 80 * GiB, 2.039e12, 300 * G, 624 * T)),
     # L4: 24 GB GDDR6 at 300 GB/s, PCIe Gen4 x16 (32 GB/s each way). Data sheet figures with sparsity are twice these.
-    (("L4",), Chip("L4", 121 * T, 30.3 * T, 242 * T, 24 * GiB, 0.3e12, 32 * G, 242 * T)),
+    (("L4",), _gpu("L4", 121 * T, 30.3 * T, 242 * T, 24 * GiB, 0.3e12, 32 * G, 242 * T)),
     # TPUs: int8 but no fp8 matrix units up to v6e. ICI per chip (`interconnect_bw`: all links of a chip, one
     # direction; jaxperf.perf.predict divides collective bytes by it), from Google Cloud's TPU pages
     # (cloud.google.com/tpu/docs/<version>): v4 2400 Gbps (6 links), v5e 1600 Gbps (4 ports), v5p 4800 Gbps (6

@@ -23,6 +23,14 @@ from `known_trip_count` when XLA printed one, else from the loop condition (`i <
 variable's initial constant in the loop's input tuple and its constant step in the body. A loop whose count cannot be
 read is counted once and named in `unknown_trip_counts`.
 
+Kernels (`costs.kernels`): every top-level op charged bytes, with its FLOPs, for a model that runs kernels one
+after another (a GPU stream; jaxperf.perf.predict). FLOPs are counted where the work is matrix work: a `dot` (alone or
+inside a fusion: XLA's Triton GEMM fusions) is 2 x its result's elements x its contracting size; a cuBLAS call
+(`__cublas$gemm`, `__cublas$lt$matmul`) the same, read from its backend config; a cuDNN fused attention
+(`__cudnn$fmha...`) 4 B H Lq Lk D forward (two matmuls) and 10 B H Lq Lk D backward (five: the scores recomputed, dV,
+dP, dQ, dK), halved under a causal mask. The scratch workspace a cuBLAS or cuDNN call returns (its last, s8/u8 result)
+is allocated, not read or written in full, and is not charged.
+
 Collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, their async -start forms): `bytes`
 is the array size of the collective (all-gather: the gathered result; reduce-scatter, all-reduce, all-to-all: the
 input), and `wire_bytes` what one chip sends over its links with bandwidth-optimal algorithms on a group of n chips:
@@ -52,6 +60,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
          "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "get-dimension-size", "domain",
          "add-dependency"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
+_FLOP_OPS = {"dot", "custom-call", "fusion", "fusion-start"}
 
 
 def shape_bytes(shape: str, *, hbm_only: bool = False) -> float:
@@ -239,6 +248,17 @@ def _wire_factor(kind: str, n: int) -> float:
 
 
 @dataclass
+class Kernel:
+    """One top-level op of the program as a kernel launch: its work per run of the program (loops included)."""
+
+    name: str
+    kind: str  # "matmul" (dots, cuBLAS), "attention" (cuDNN fused attention), "fusion" (other XLA kernels), "other"
+    flops: float
+    hbm_bytes: float
+    launches: float  # how many times it runs (the trip counts of the loops around it)
+
+
+@dataclass
 class HloCosts:
     """Per-chip traffic of one run of the program (see the module docstring for the model)."""
 
@@ -248,10 +268,70 @@ class HloCosts:
     unknown_trip_counts: list[str]
     custom_call_bytes: float  # HBM bytes charged to custom calls (Pallas kernels), part of hbm_bytes
     top_ops: list[tuple[str, float]]  # the instructions charged the most HBM bytes, largest first
+    kernels: list[Kernel] = field(default_factory=list)  # every op charged bytes or FLOPs, in program order
 
     @property
     def wire_bytes(self) -> float:
         return sum(c["wire_bytes"] for c in self.collectives.values())
+
+
+def _dims(shape: str) -> list[int]:
+    """The dimensions of the first array in an HLO shape string."""
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _target(ins: Instr) -> str:
+    m = re.search(r'custom_call_target="([^"]*)"', ins.attrs)
+    return m.group(1) if m else ""
+
+
+def _library_call(ins: Instr) -> bool:
+    return ins.opcode == "custom-call" and _target(ins).startswith(("__cublas", "__cudnn"))
+
+
+def _workspace_bytes(ins: Instr) -> float:
+    """The scratch a cuBLAS or cuDNN call returns as its last result (an s8/u8 vector): allocated, not traffic."""
+    arrays = _ARRAY.findall(ins.shape)
+    if not _library_call(ins) or len(arrays) < 2 or arrays[-1][0] not in ("s8", "u8"):
+        return 0.0
+    return shape_bytes("{}[{}]".format(*arrays[-1][:2]))
+
+
+def _contracting(comp: Computation, ins: Instr, dims: list[str]) -> int:
+    lhs = comp.instrs.get(ins.operands[0]) if ins.operands else None
+    shape = _dims(lhs.shape) if lhs is not None else []
+    return math.prod(shape[int(d)] for d in dims if d and int(d) < len(shape)) if shape else 0
+
+
+def kernel_flops(comps: dict[str, Computation], comp: Computation, ins: Instr, depth: int = 0) -> tuple[float, str]:
+    """(FLOPs, kind) of one op run once: matrix work only (see the module docstring), elementwise work is 0."""
+    if ins.opcode == "dot":
+        m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.attrs)
+        k = _contracting(comp, ins, m.group(1).split(",")) if m else 0
+        return 2.0 * math.prod(_dims(ins.shape)) * k, "matmul"
+    if ins.opcode == "custom-call":
+        target = _target(ins)
+        if target.startswith("__cublas") and ("gemm" in target or "matmul" in target):
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+            k = _contracting(comp, ins, re.findall(r"\d+", m.group(1))) if m else 0
+            return 2.0 * math.prod(_dims(ins.shape)) * k, "matmul"
+        if target.startswith("__cudnn$fmha"):
+            m = re.search(r'"intermediate_tensor_shape":\{"dimensions":\[([^\]]*)\]', ins.attrs)
+            q = comp.instrs.get(ins.operands[0]) if ins.operands else None
+            if m is None or q is None:
+                return 0.0, "attention"
+            scores = math.prod(int(d) for d in re.findall(r"\d+", m.group(1)))  # B H Lq Lk
+            matmuls = 5 if "Backward" in target else 2
+            causal = 0.5 if re.search(r'"mask_type":"[A-Z_]*CAUSAL', ins.attrs) else 1.0
+            return 2.0 * matmuls * scores * _dims(q.shape)[-1] * causal, "attention"
+        return 0.0, "other"
+    if ins.opcode in ("fusion", "fusion-start") and depth < 8:
+        inner = comps.get(ins.attr("calls") or "")
+        flops = sum(kernel_flops(comps, inner, i, depth + 1)[0] for i in inner.instrs.values()
+                    if i.opcode in ("dot", "fusion")) if inner is not None else 0.0
+        return flops, "matmul" if flops else "fusion"
+    return 0.0, "other"
 
 
 class _Walker:
@@ -263,6 +343,7 @@ class _Walker:
         self.custom = 0.0
         self.charged: dict[str, float] = {}  # instruction name -> HBM bytes charged to it, loops included
         self.coll = {k: {"ops": 0, "bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVES}
+        self.kernels: list[Kernel] = []
 
     # -- bytes of one fused kernel ------------------------------------------------------------------------------
     def _param_read(self, comp: Computation, pname: str, depth: int = 0) -> float:
@@ -333,7 +414,7 @@ class _Walker:
         if op == "dynamic-update-slice":
             return 2 * self._operand_bytes(comp, ins.operands[1])
         read = sum(self._operand_bytes(comp, o) for o in ins.operands)
-        out = ins.bytes
+        out = ins.bytes - _workspace_bytes(ins)
         if op == "copy-start":  # (destination, source, context): only the destination is written
             first = _ARRAY.search(ins.shape)
             out = shape_bytes(first.group(0), hbm_only=True) if first else 0.0
@@ -363,6 +444,9 @@ class _Walker:
             if not fused:
                 b = self._op_bytes(comp, ins) * times
                 self.hbm += b
+                flops, kind = kernel_flops(self.comps, comp, ins) if ins.opcode in _FLOP_OPS else (0.0, "other")
+                if b or flops:
+                    self.kernels.append(Kernel(ins.name, kind, flops * times, b, times))
                 if b:
                     self.charged[ins.name] = self.charged.get(ins.name, 0.0) + b
                 if ins.opcode == "custom-call":
@@ -392,4 +476,5 @@ def hlo_costs(text: str, top: int = 10) -> HloCosts:
     w = _Walker(text)
     w.walk(w.entry, 1.0)
     return HloCosts(hbm_bytes=w.hbm, collectives=w.coll, loops=w.loops, unknown_trip_counts=w.unknown,
-                    custom_call_bytes=w.custom, top_ops=sorted(w.charged.items(), key=lambda kv: -kv[1])[:top])
+                    custom_call_bytes=w.custom, top_ops=sorted(w.charged.items(), key=lambda kv: -kv[1])[:top],
+                    kernels=w.kernels)
