@@ -111,22 +111,37 @@ def check_close(name: str, got, want, rtol: float = 1e-4, atol: float = 1e-5) ->
                            f"diff {err:.3g}, rtol={rtol}, atol={atol}); not timing a wrong answer")
 
 
-def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *, donate: bool = True, seed: int = 0):
+def _same_layout(state: Any, task) -> bool:
+    """Whether `state` has the tree, shapes and dtypes of the task's TrainState."""
+    want = jax.eval_shape(task.init_state)
+    got_leaves, got_tree = jax.tree.flatten(state)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    return got_tree == want_tree and all(
+        np.shape(g) == w.shape and np.result_type(g) == w.dtype for g, w in zip(got_leaves, want_leaves))
+
+
+def make_train_step(preset: str = "tiny", overrides: list[str] | None = None, *, donate: bool = True, seed: int = 0,
+                    init: Any = None):
     """The jaxperf train step of a preset, its initial state and one random batch (tokens do not change the cost).
 
     Returns (step, state, batch, cfg); `step` is `(state, batch) -> (state, metrics)` over all visible devices with
     the preset's strategy: the jitted Task step for `parallel.flavour=jit`, else the flavour's step from
-    jaxperf.explicit.flavours (with `state` already in its layout).
+    jaxperf.explicit.flavours (with `state` already in its layout). `init`: a TrainState to start from instead of a
+    fresh one (e.g. another layout's initial state fetched to the host), placed in this step's shards; used only
+    where its leaves have this task's shapes and dtypes, so a caller can offer it to every variant of a preset and
+    skip compiling the initialisation again.
     """
     cfg = dataclasses.replace(get_config(preset, overrides or []), seed=seed)
     validate(cfg, jax.device_count())
     task = build_task(cfg, make_mesh(cfg.parallel))
+    initial = task.init_state() if init is None or not _same_layout(init, task) else jax.device_put(
+        init, task.state_shardings())
     if cfg.parallel.flavour == "jit":  # the jitted function itself, so callers can lower and compile it
-        step, state = task.train_step(microbatches=step_microbatches(cfg), donate=donate), task.init_state()
+        step, state = task.train_step(microbatches=step_microbatches(cfg), donate=donate), initial
     else:
         step = build_train_step(task, task.loss_fn, cfg.parallel.flavour, microbatches=step_microbatches(cfg),
                                 donate=donate, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce)
-        state = step.to_step(task.init_state())
+        state = step.to_step(initial)
     B, L = cfg.batch_size, cfg.train_seq_len
     tokens = np.random.default_rng(seed).integers(0, cfg.model.vocab_size, (B, L + 1)).astype(np.int32)
     batch = jax.device_put(
