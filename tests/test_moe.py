@@ -15,8 +15,8 @@ from flax import nnx
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
 from jaxperf.models.gpt import GPT
 from jaxperf.models.layers import to_compute
-from jaxperf.models.moe import (MoE, load_balancing_loss, ragged_grouped_matmul, router_z_loss,
-                                tiled_grouped_matmul)
+from jaxperf.models.moe import (MoE, load_balancing_loss, looped_grouped_matmul, ragged_grouped_matmul,
+                                router_z_loss, tiled_grouped_matmul)
 from jaxperf.models.platform import settle
 from jaxperf.perf.flops import matmul_params
 from jaxperf.perf.memory import estimate
@@ -76,7 +76,7 @@ def _out(moe, x):
 
 
 @pytest.mark.parametrize("router,style,shared,gmm", [("softmax", "gpt2", 0, "xla"), ("sigmoid", "gpt2", 0, "tiled"),
-                                                     ("softmax", "llama", 1, "tiled"), ("sigmoid", "llama", 2, "xla")])
+                                                     ("softmax", "llama", 1, "loop"), ("sigmoid", "llama", 2, "xla")])
 def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared, gmm):
     moe = _moe(router=router, style=style, n_shared_experts=shared, grouped_matmul_impl=gmm)
     x = jax.random.normal(jax.random.key(1), (2, 5, 16))
@@ -91,16 +91,17 @@ def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, s
 
 @pytest.mark.parametrize("sizes", [[125] * 8, [0, 0, 1000, 0, 0, 0, 0, 0], [1, 300, 0, 200, 99, 0, 300, 100],
                                    [10, 0, 5, 0, 0, 0, 0, 3]])
-@pytest.mark.parametrize("tile", [128, 7])
-def test_the_tiled_grouped_matmul_equals_the_ragged_dot(sizes, tile):
-    """Groups of any size, empty ones, one group holding every row, groups that straddle tiles, and rows past the
-    last group (an all-to-all buffer's empty rows: left zero)."""
+@pytest.mark.parametrize("impl,tile", [(tiled_grouped_matmul, 128), (tiled_grouped_matmul, 7),
+                                       (looped_grouped_matmul, 256), (looped_grouped_matmul, 7)])
+def test_the_tiled_and_looped_grouped_matmuls_equal_the_ragged_dot(sizes, impl, tile):
+    """Groups of any size, empty ones, one group holding every row, groups that straddle tiles (chunks), a chunk
+    running past the last row, and rows past the last group (an all-to-all buffer's empty rows: left zero)."""
     x = jax.random.normal(jax.random.key(0), (1000, 24))
     w = jax.random.normal(jax.random.key(1), (8, 24, 40))
     sizes = jnp.asarray(sizes, jnp.int32)
     n = int(sizes.sum())
     f = lambda impl: lambda x, w: impl(x, w, sizes)[:n]  # noqa: E731
-    tiled = functools.partial(tiled_grouped_matmul, tile=tile)
+    tiled = jax.jit(functools.partial(impl, **({"tile": tile} if impl is tiled_grouped_matmul else {"chunk": tile})))
     np.testing.assert_allclose(f(tiled)(x, w), f(ragged_grouped_matmul)(x, w), rtol=1e-5, atol=1e-4)
     assert not np.any(np.asarray(tiled(x, w, sizes)[n:]))
     grads = [jax.grad(lambda x, w, g=g: jnp.sum(jnp.sin(f(g)(x, w))), (0, 1))(x, w)
@@ -109,9 +110,9 @@ def test_the_tiled_grouped_matmul_equals_the_ragged_dot(sizes, tile):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-def test_auto_runs_the_tiled_grouped_matmul_on_cpu_only():
+def test_auto_runs_the_looped_grouped_matmul_on_cpu_only():
     cfg = get_config("moe-tiny")
-    assert settle(cfg, {"data": 1}, "cpu").grouped_matmul_impl == "tiled"
+    assert settle(cfg, {"data": 1}, "cpu").grouped_matmul_impl == "loop"
     assert settle(cfg, {"data": 1}, "tpu").grouped_matmul_impl == "xla"
     assert settle(get_config("moe-tiny", ["grouped_matmul_impl=xla"]), {"data": 1}, "cpu").grouped_matmul_impl == "xla"
     with pytest.raises(ConfigError, match="grouped_matmul_impl"):

@@ -40,7 +40,7 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 ParamDtype = Literal["float32", "bfloat16"]
 NormImpl = Literal["auto", "xla", "pallas"]
 LossImpl = Literal["auto", "xla", "pallas", "chunked"]
-GroupedMatmulImpl = Literal["auto", "xla", "tiled"]
+GroupedMatmulImpl = Literal["auto", "xla", "tiled", "loop"]
 Platform = Literal["cpu", "gpu", "tpu"]
 Strategy = Literal["dp", "fsdp", "tp", "fsdp_tp"]
 Flavour = Literal["jit", "shard_map", "pmap"]
@@ -120,7 +120,8 @@ class ModelConfig:
     # MoE output is zero; the residual carries them). None or 0: dropless (grouped matmuls over every routed token)
     capacity_factor: float | None = None
     # How the dropless path runs its grouped matmuls (jaxperf.models.moe): xla = jax.lax.ragged_dot (a grouped-matmul
-    # kernel on TPU), tiled = fixed tiles of rows as one batched matmul. auto: tiled on CPU, xla elsewhere
+    # kernel on TPU), tiled = fixed tiles of rows as one batched matmul, loop = a loop of plain matmuls over each
+    # expert's chunks of rows. auto: loop on CPU, xla elsewhere
     grouped_matmul_impl: GroupedMatmulImpl = "auto"
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the train loss
     router_z_loss_coef: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)
