@@ -168,6 +168,8 @@ class MoE(nnx.Module):
         self.act, self.k, self.router = cfg.mlp_act, cfg.experts_per_token, cfg.router
         self.capacity_factor = cfg.capacity_factor or 0.0
         self.gmm_impl, self.platform = cfg.grouped_matmul_impl, cfg.platform
+        # with the looped grouped matmul (XLA:CPU's), the slots are sorted and unsorted by gathers (`_permute_rows`)
+        self.gather_rows = cfg.grouped_matmul_impl == "loop"
         w_in, w_out, b_in, b_out = _WEIGHT_AXES[0], _WEIGHT_AXES[2], _WEIGHT_AXES[3], _WEIGHT_AXES[4]
         self.router_DxE = _param(rngs, init, (D, E), _ROUTER_AXES, pd)
         self.w_in_ExDxF = _param(rngs, init, (E, D, F), w_in, pd)
@@ -196,7 +198,7 @@ class MoE(nnx.Module):
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
                                                                           self.router)
         y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
-                                      self.capacity_factor, self.act, self._grouped_matmul(x_TxD))
+                                      self.capacity_factor, self.act, self._grouped_matmul(x_TxD), self.gather_rows)
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
@@ -207,7 +209,7 @@ class MoE(nnx.Module):
         with every device's own tokens (module docstring)."""
         x_spec = activation_spec(("batch", "seq", "embed"), x_BxLxD.shape) or P()
         token_axes = tuple(a for dim in x_spec for a in ((dim,) if isinstance(dim, str) else (dim or ())))
-        k, router, factor, act = self.k, self.router, self.capacity_factor, self.act
+        k, router, factor, act, gather_rows = self.k, self.router, self.capacity_factor, self.act, self.gather_rows
         E = self.w_in_ExDxF.shape[0]
         gmm = self._grouped_matmul(x_BxLxD)
 
@@ -216,14 +218,14 @@ class MoE(nnx.Module):
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
             if n == 1:  # no expert axis: this device's tokens through all the experts, without all-to-all
-                y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act, gmm)
+                y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act, gmm, gather_rows)
                 return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
             plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority)
             rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis)
-            rows_y = _expert_mlp(rows_x, rows_e, weights, act, gmm)
+            rows_y = _expert_mlp(rows_x, rows_e, weights, act, gmm, gather_rows)
             out_SxD = ep.combine(rows_y, plan, axis)
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
             # the router losses of the whole batch
@@ -313,19 +315,19 @@ def _extra_axes(ct, primal) -> tuple[str, ...]:
 _regathered.defvjp(_regathered_fwd, _regathered_bwd)
 
 
-def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str, gmm):
+def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str, gmm, gather_rows: bool = False):
     """The routed experts on one device's tokens, with all E experts' `weights` at hand: (y [T, D], the share of
     slots dropped), dropless (`factor` 0, grouped matmuls by `gmm`) or with a capacity."""
     if factor > 0:
         return _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor, act)
-    return _dropless(x_TxD, weights_TxK, experts_TxK, weights, act, gmm), jnp.zeros((), jnp.float32)
+    return _dropless(x_TxD, weights_TxK, experts_TxK, weights, act, gmm, gather_rows), jnp.zeros((), jnp.float32)
 
 
-def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm):
+def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm, gather_rows: bool = False):
     """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
     T, K = experts_TxK.shape
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
-    out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act, gmm)
+    out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act, gmm, gather_rows)
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
 
@@ -357,15 +359,21 @@ def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str)
     return jnp.sum(out_KxTxD, axis=0), 1.0 - jnp.mean(keep_S.astype(jnp.float32))
 
 
-def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm):
+def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm, gather_rows: bool = False):
     """Each row through its expert's MLP by grouped matmuls (`gmm`, a "grouped_matmul" implementation, or one each
-    for w_in, w_gate and w_out), in row order. `expert_R` holds indices into the stacked `weights` (w_in, w_gate, w_out, b_in, b_out; E experts); a row
-    whose index is E (an empty row of an all-to-all buffer) is in no group and comes out as garbage the caller never
-    reads."""
+    for w_in, w_gate and w_out), in row order. `expert_R` holds indices into the stacked `weights` (w_in, w_gate,
+    w_out, b_in, b_out; E experts); a row whose index is E (an empty row of an all-to-all buffer) is in no group and
+    comes out as garbage the caller never reads. `gather_rows`: sort and unsort the rows by gathers both ways
+    (`_permute_rows`), not a gather and a scatter."""
     w_in, w_gate, w_out, b_in, b_out = weights
     gmm_in, gmm_gate, gmm_out = gmm if isinstance(gmm, tuple) else (gmm,) * 3
     order_R, sizes_E = ep.group_rows(expert_R, w_in.shape[0])
-    x_RxD, expert_R = x_RxD[order_R], expert_R[order_R]
+    if gather_rows:
+        inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=order_R.dtype))
+        x_RxD = _permute_rows(x_RxD, order_R, inverse_R)
+    else:
+        x_RxD = x_RxD[order_R]
+    expert_R = expert_R[order_R]
     h_RxF = gmm_in(x_RxD, w_in, sizes_E)
     if b_in is not None:
         h_RxF = h_RxF + jnp.take(b_in, expert_R, axis=0, mode="clip")
@@ -374,7 +382,31 @@ def _expert_mlp(x_RxD, expert_R, weights, act: str, gmm):
     out_RxD = gmm_out(_activate(h_RxF, gate_RxF, act), w_out, sizes_E)
     if b_out is not None:
         out_RxD = out_RxD + jnp.take(b_out, expert_R, axis=0, mode="clip")
-    return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)  # back to row order
+    if gather_rows:
+        return _permute_rows(out_RxD, inverse_R, order_R)  # back to row order
+    return jnp.zeros_like(out_RxD).at[order_R].set(out_RxD)
+
+
+@jax.custom_vjp
+def _permute_rows(x_RxD, order_R, inverse_R):
+    """`x[order]` for a permutation `order` whose inverse is `inverse`, with a gather for a gradient too (`g[inverse]`)
+    where autodiff's is a scatter-add: XLA:CPU runs a scatter of rows several times slower than a gather (one MoE
+    layer of moe-tiny, forward and backward: 13 ms against 22 with the sort undone by a scatter). Not on TPU: there
+    the TPU compiler gave the expert-parallel llama-1b-width case 1 GiB more per chip with it (test_memory_tpu)."""
+    return x_RxD[order_R]
+
+
+def _permute_rows_fwd(x_RxD, order_R, inverse_R):
+    return x_RxD[order_R], (order_R, inverse_R)
+
+
+def _permute_rows_bwd(res, g_RxD):
+    order_R, inverse_R = res
+    none = np.zeros(order_R.shape, jax.dtypes.float0)
+    return g_RxD[inverse_R], none, none
+
+
+_permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
 
 
 def ragged_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None):
