@@ -101,11 +101,11 @@ def test_the_tiled_and_looped_grouped_matmuls_equal_the_ragged_dot(sizes, impl, 
     sizes = jnp.asarray(sizes, jnp.int32)
     n = int(sizes.sum())
     f = lambda impl: lambda x, w: impl(x, w, sizes)[:n]  # noqa: E731
-    tiled = jax.jit(functools.partial(impl, **({"tile": tile} if impl is tiled_grouped_matmul else {"chunk": tile})))
-    np.testing.assert_allclose(f(tiled)(x, w), f(ragged_grouped_matmul)(x, w), rtol=1e-5, atol=1e-4)
-    assert not np.any(np.asarray(tiled(x, w, sizes)[n:]))
+    gmm = jax.jit(functools.partial(impl, **({"tile": tile} if impl is tiled_grouped_matmul else {"chunk": tile})))
+    np.testing.assert_allclose(f(gmm)(x, w), f(ragged_grouped_matmul)(x, w), rtol=1e-5, atol=1e-4)
+    assert not np.any(np.asarray(gmm(x, w, sizes)[n:]))
     grads = [jax.grad(lambda x, w, g=g: jnp.sum(jnp.sin(f(g)(x, w))), (0, 1))(x, w)
-             for g in (tiled, ragged_grouped_matmul)]
+             for g in (gmm, ragged_grouped_matmul)]
     for got, want in zip(*grads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 

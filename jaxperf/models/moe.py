@@ -522,8 +522,8 @@ def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int 
     plus at most one chunk per group, whatever the static bound). Its backward (a custom VJP: a loop with a run-time
     trip count has no reverse-mode rule) runs the same loops: dx with the weights transposed, dw[e] as the sum of x^T
     dy over e's chunks. XLA:CPU runs such matmuls at the rate of a dense one, where the tiled version's batched
-    matmul of many small items runs at about 0.4 of it (moe-tiny: 0.69x the dense tiny's tokens/s against 0.57x,
-    benchmarks/RESULTS.md). The CPU's choice; rows past the last group stay zero."""
+    matmul of many small items runs at about 0.4 of it (benchmarks/RESULTS.md, "Mixture of experts on CPU"). The
+    CPU's choice; rows past the last group stay zero."""
     return _looped(x_RxD, w_ExDxF, sizes_E, max(1, min(chunk, x_RxD.shape[0])))
 
 

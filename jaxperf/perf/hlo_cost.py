@@ -60,7 +60,6 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "whil
          "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "get-dimension-size", "domain",
          "add-dependency"}
 _SLICERS = {"dynamic-slice", "slice", "gather"}
-_FLOP_OPS = {"dot", "custom-call", "fusion", "fusion-start"}
 
 
 def shape_bytes(shape: str, *, hbm_only: bool = False) -> float:
@@ -444,7 +443,7 @@ class _Walker:
             if not fused:
                 b = self._op_bytes(comp, ins) * times
                 self.hbm += b
-                flops, kind = kernel_flops(self.comps, comp, ins) if ins.opcode in _FLOP_OPS else (0.0, "other")
+                flops, kind = kernel_flops(self.comps, comp, ins)
                 if b or flops:
                     self.kernels.append(Kernel(ins.name, kind, flops * times, b, times))
                 if b:
