@@ -15,6 +15,7 @@ from flax import nnx
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, get_config, validate
 from jaxperf.models.gpt import GPT
 from jaxperf.models.layers import to_compute
+from jaxperf.models import moe as moe_lib
 from jaxperf.models.moe import (MoE, load_balancing_loss, looped_grouped_matmul, ragged_grouped_matmul,
                                 router_z_loss, tiled_grouped_matmul)
 from jaxperf.models.platform import settle
@@ -92,22 +93,61 @@ def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, s
 @pytest.mark.parametrize("sizes", [[125] * 8, [0, 0, 1000, 0, 0, 0, 0, 0], [1, 300, 0, 200, 99, 0, 300, 100],
                                    [10, 0, 5, 0, 0, 0, 0, 3]])
 @pytest.mark.parametrize("impl,tile", [(tiled_grouped_matmul, 128), (tiled_grouped_matmul, 7),
-                                       (looped_grouped_matmul, 256), (looped_grouped_matmul, 7)])
+                                       (looped_grouped_matmul, (256, 0)), (looped_grouped_matmul, (7, 0)),
+                                       (looped_grouped_matmul, (7, 40)), (looped_grouped_matmul, (256, 1.25))])
 def test_the_tiled_and_looped_grouped_matmuls_equal_the_ragged_dot(sizes, impl, tile):
     """Groups of any size, empty ones, one group holding every row, groups that straddle tiles (chunks), a chunk
-    running past the last row, and rows past the last group (an all-to-all buffer's empty rows: left zero)."""
+    running past the last row, and rows past the last group (an all-to-all buffer's empty rows: left zero). The
+    looped one runs as (chunk, head): all rows through the loop (head 0), groups that overflow a head of 40 rows, and
+    the default head (1.25 x R / E = 160 rows: only the groups of 200 rows and more reach the loop)."""
     x = jax.random.normal(jax.random.key(0), (1000, 24))
     w = jax.random.normal(jax.random.key(1), (8, 24, 40))
     sizes = jnp.asarray(sizes, jnp.int32)
     n = int(sizes.sum())
     f = lambda impl: lambda x, w: impl(x, w, sizes)[:n]  # noqa: E731
-    gmm = jax.jit(functools.partial(impl, **({"tile": tile} if impl is tiled_grouped_matmul else {"chunk": tile})))
+    kwargs = {"tile": tile} if impl is tiled_grouped_matmul else {"chunk": tile[0], "head": tile[1]}
+    gmm = jax.jit(functools.partial(impl, **kwargs))
     np.testing.assert_allclose(f(gmm)(x, w), f(ragged_grouped_matmul)(x, w), rtol=1e-5, atol=1e-4)
     assert not np.any(np.asarray(gmm(x, w, sizes)[n:]))
     grads = [jax.grad(lambda x, w, g=g: jnp.sum(jnp.sin(f(g)(x, w))), (0, 1))(x, w)
              for g in (gmm, ragged_grouped_matmul)]
     for got, want in zip(*grads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+@pytest.mark.parametrize("routing", ["even", "skewed"])
+def test_the_cpu_expert_blocks_with_their_overflow_equal_the_ragged_dot(style, routing):
+    """XLA:CPU's dropless path (`_blocked`): each expert's first slots as a dense block, the slots past it by the
+    chunked loop. Even routing fits the blocks (150 slots each, blocks of 192); skewed routing sends 500 of the 600
+    slots to expert 0, whose 308 past its block take two chunks of 256. Forward and gradients (x, weights, biases,
+    combine weights) against the ragged dot path; dropping the overflow, or its gradient, turns the skewed case red."""
+    moe = _moe(style=style, grouped_matmul_impl="xla")
+    T, K, E = 300, 2, 4
+    x = jax.random.normal(jax.random.key(3), (T, 16))
+    if routing == "even":
+        experts = (jnp.arange(T * K) % E).reshape(T, K)
+    else:
+        experts = jnp.where(jnp.arange(T * K) < 500, 0, 1 + jnp.arange(T * K) % 3).reshape(T, K)
+        experts = experts.at[:, 1].set(jnp.where(experts[:, 0] == experts[:, 1], 3, experts[:, 1]))
+    combine = jax.nn.softmax(jax.random.normal(jax.random.key(4), (T, K)), axis=-1)
+    weights = moe._weights(jnp.float32)
+    head = moe_lib._head_rows(T * K, E)
+    assert head == 192 and (int(jnp.max(jnp.bincount(experts.reshape(-1), length=E))) > head) == (routing == "skewed")
+
+    def run(path):
+        def f(x, weights, combine):
+            if path == "blocked":
+                return moe_lib._blocked(x, combine, experts, weights, moe.act, head)
+            return moe_lib._dropless(x, combine, experts, weights, moe.act, ragged_grouped_matmul)
+        ct = jax.random.normal(jax.random.key(5), (T, 16))
+        y, vjp = jax.vjp(jax.jit(f), x, weights, combine)
+        return y, vjp(ct)
+
+    (got, got_g), (want, want_g) = run("blocked"), run("ragged")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got_g), jax.tree.leaves(want_g)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_auto_runs_the_looped_grouped_matmul_on_cpu_only():

@@ -324,11 +324,162 @@ def _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: s
 
 
 def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm, gather_rows: bool = False):
-    """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted."""
+    """Every slot computed: slots sorted by expert, two (three with SwiGLU) grouped matmuls, then unsorted. With
+    `gather_rows` (XLA:CPU's path) and the weights whole here, as expert blocks (`_blocked`)."""
     T, K = experts_TxK.shape
+    if gather_rows and not isinstance(gmm, tuple):
+        return _blocked(x_TxD, weights_TxK, experts_TxK, weights, act, _head_rows(T * K, weights[0].shape[0]))
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
     out_SxD = _expert_mlp(x_SxD, experts_TxK.reshape(T * K), weights, act, gmm, gather_rows)
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
+
+
+HEAD_SHARE = 1.25  # an expert block's rows, as a share of the rows an even split gives each expert
+
+
+def _head_rows(rows: int, groups: int) -> int:
+    """Rows of each group's block: HEAD_SHARE x an even split's, rounded up to a multiple of 8, at most `rows`."""
+    return min(rows, 8 * math.ceil(HEAD_SHARE * rows / groups / 8))
+
+
+def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
+    """The dropless experts as dense blocks: each expert's first `head` slots gathered straight into an
+    [E, head, D] block (in slot order, zeros after), the MLP as batched matmuls over the experts, and each slot's
+    output gathered back; the gathers' gradients are gathers by the inverse map (`_take_rows`). The slots past an
+    expert's block (none while the routing is within HEAD_SHARE of even) go through its whole MLP chunk by chunk
+    (`_overflow_mlp`, a loop with a run-time trip count: zero when there are none). No [S, F] arrays, and XLA:CPU
+    runs a batched matmul of a few large items at about a dense one's rate."""
+    T, K = experts_TxK.shape
+    S, D = T * K, x_TxD.shape[1]
+    w_in, w_gate, w_out, b_in, b_out = weights
+    E = w_in.shape[0]
+    expert_S = experts_TxK.reshape(S)
+    order_S, sizes_E = ep.group_rows(expert_S, E)
+    start_E = jnp.cumsum(sizes_E) - sizes_E
+    at_H = jnp.arange(head, dtype=order_S.dtype)
+    slot_B = order_S[jnp.minimum(start_E[:, None] + at_H[None, :], S - 1)].reshape(E * head)  # block row -> slot
+    in_B = (at_H[None, :] < sizes_E[:, None]).reshape(E * head)
+    inverse_S = jnp.zeros_like(order_S).at[order_S].set(jnp.arange(S, dtype=order_S.dtype))
+    at_S = inverse_S - start_E[expert_S]
+    row_S, in_S = expert_S * head + jnp.minimum(at_S, head - 1), at_S < head  # slot -> block row
+    x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
+    x_ExHxD = _take_rows(x_SxD, slot_B, in_B, row_S, in_S).reshape(E, head, D)
+    h = jnp.einsum("ehd,edf->ehf", x_ExHxD, w_in)
+    if b_in is not None:
+        h = h + b_in[:, None, :]
+    gate = jnp.einsum("ehd,edf->ehf", x_ExHxD, w_gate) if w_gate is not None else None
+    h, gate = _tag_hidden(h, gate)
+    out_ExHxD = jnp.einsum("ehf,efd->ehd", _activate(h, gate, act), w_out)
+    if b_out is not None:
+        out_ExHxD = out_ExHxD + b_out[:, None, :]
+    out_SxD = _take_rows(out_ExHxD.reshape(E * head, D), row_S, in_S, slot_B, in_B)
+    over_SxD = _overflow_mlp(x_SxD, order_S, sizes_E, weights, act, min(256, S), head)
+    out_SxD = jnp.where(in_S[:, None], out_SxD, over_SxD)
+    return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
+
+
+def _mlp_chunk(x_CxD, e, weights, act: str):
+    """One chunk of expert `e`'s rows through its MLP: (out [C, D], the activation's inputs h and gate)."""
+    w_in, w_gate, w_out, b_in, b_out = weights
+    h_CxF = jnp.dot(x_CxD, w_in[e])
+    if b_in is not None:
+        h_CxF = h_CxF + b_in[e][None, :]
+    gate_CxF = jnp.dot(x_CxD, w_gate[e]) if w_gate is not None else None
+    out_CxD = jnp.dot(_activate(h_CxF, gate_CxF, act), w_out[e])
+    if b_out is not None:
+        out_CxD = out_CxD + b_out[e][None, :]
+    return out_CxD, h_CxF, gate_CxF
+
+
+def _overflow_rows(order_S, first, end, chunk: int):
+    """The slots of sorted positions first .. first + chunk (the sort's `order`), and which of them are before `end`
+    (past it, the index is S: a gather clips it, a scatter drops it)."""
+    S = order_S.shape[0]
+    at_C = first + jnp.arange(chunk, dtype=order_S.dtype)
+    mine_C = at_C < end
+    return jnp.where(mine_C, order_S[jnp.minimum(at_C, S - 1)], S), mine_C
+
+
+def _overflow_forward(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
+    def body(e, first, end, y_SxD):
+        slot_C, _ = _overflow_rows(order_S, first, end, chunk)
+        out_CxD = _mlp_chunk(x_SxD[slot_C], e, weights, act)[0]  # (a gather clips the rows past `end`)
+        return y_SxD.at[slot_C].set(out_CxD.astype(y_SxD.dtype), mode="drop")
+
+    live = [w for w in weights if w is not None]
+    y_SxD = _varying_like(jnp.zeros(x_SxD.shape, x_SxD.dtype), x_SxD, order_S, sizes_E, *live)
+    return _each_chunk(sizes_E, chunk, body, y_SxD, skip=skip)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _overflow_mlp(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
+    """The slots `x` [S, D] past each expert's first `skip` (in the sorted order `order_S`, `sizes_E` slots each)
+    through their expert's whole MLP, `chunk` at a time; the other slots come out zero. Its backward is one loop
+    over the same chunks, each recomputing its hidden values. Both loops run as many chunks as there are: none when
+    every expert's slots fit its first `skip`."""
+    return _overflow_forward(x_SxD, order_S, sizes_E, weights, act, chunk, skip)
+
+
+def _overflow_mlp_fwd(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
+    return _overflow_forward(x_SxD, order_S, sizes_E, weights, act, chunk, skip), (x_SxD, order_S, sizes_E, weights)
+
+
+def _overflow_mlp_bwd(act: str, chunk: int, skip: int, res, dy_SxD):
+    x_SxD, order_S, sizes_E, weights = res
+    w_in, w_gate, w_out, _, _ = weights
+    outer = lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)  # noqa: E731
+
+    def body(e, first, end, carry):
+        dx_SxD, dw = carry
+        slot_C, mine_C = _overflow_rows(order_S, first, end, chunk)
+        x_CxD = x_SxD[slot_C]
+        dy_CxD = jnp.where(mine_C[:, None], dy_SxD[slot_C], jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
+        _, h_CxF, gate_CxF = _mlp_chunk(x_CxD, e, weights, act)
+        a_CxF, act_vjp = jax.vjp(lambda h, g: _activate(h, g, act), h_CxF, gate_CxF)
+        dh_CxF, dgate_CxF = act_vjp(jnp.dot(dy_CxD, w_out[e].T).astype(a_CxF.dtype))
+        parts = (outer(x_CxD, dh_CxF), None if w_gate is None else outer(x_CxD, dgate_CxF), outer(a_CxF, dy_CxD),
+                 jnp.sum(dh_CxF, axis=0, dtype=jnp.float32), jnp.sum(dy_CxD, axis=0, dtype=jnp.float32))
+        dw = tuple(None if g is None else g.at[e].add(p) for g, p in zip(dw, parts))
+        dx_CxD = jnp.dot(dh_CxF, w_in[e].T)
+        if w_gate is not None:
+            dx_CxD = dx_CxD + jnp.dot(dgate_CxF, w_gate[e].T)
+        return dx_SxD.at[slot_C].set(dx_CxD.astype(dx_SxD.dtype), mode="drop"), dw
+
+    live = [w for w in weights if w is not None]
+    dw = tuple(None if w is None else _varying_like(jnp.zeros(w.shape, jnp.float32), x_SxD, dy_SxD, sizes_E, *live)
+               for w in weights)
+    dx_SxD = _varying_like(jnp.zeros(x_SxD.shape, x_SxD.dtype), x_SxD, dy_SxD, sizes_E, *live)
+    dx_SxD, dw = _each_chunk(sizes_E, chunk, body, (dx_SxD, dw), skip=skip)
+    # cast back, and summed over the mesh axes the primal does not vary over, as autodiff's own transpose would
+    psum = lambda v, primal: jax.lax.psum(v, axes) if (axes := _extra_axes(v, primal)) else v  # noqa: E731
+    dw = tuple(None if g is None else psum(g.astype(w.dtype), w) for g, w in zip(dw, weights))
+    none = np.zeros(order_S.shape, jax.dtypes.float0)
+    return psum(dx_SxD, x_SxD), none, np.zeros(sizes_E.shape, jax.dtypes.float0), dw
+
+
+_overflow_mlp.defvjp(_overflow_mlp_fwd, _overflow_mlp_bwd)
+
+
+@jax.custom_vjp
+def _take_rows(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N):
+    """Row m of the result is x[index[m]] where mask[m], else zero, for a map that takes the masked m one to one
+    onto the n where inverse_mask[n] (inverse[n] naming its m): so the gradient is a gather too, g[inverse[n]] where
+    inverse_mask[n], where autodiff's would be a scatter-add (several times slower on XLA:CPU)."""
+    return jnp.where(mask_M[:, None], x_NxD[index_M], jnp.zeros((), x_NxD.dtype))
+
+
+def _take_rows_fwd(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N):
+    return _take_rows(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N), (index_M, mask_M, inverse_N, inverse_mask_N)
+
+
+def _take_rows_bwd(res, g_MxD):
+    index_M, mask_M, inverse_N, inverse_mask_N = res
+    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    g_NxD = jnp.where(inverse_mask_N[:, None], g_MxD[inverse_N], jnp.zeros((), g_MxD.dtype))
+    return g_NxD, zero(index_M), zero(mask_M), zero(inverse_N), zero(inverse_mask_N)
+
+
+_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
@@ -444,17 +595,20 @@ def tiled_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, tile: int = 
     return y_NxTxF.reshape(n_tiles * tile, F)[:R]
 
 
-def _each_chunk(sizes_E, chunk: int, body, carry):
-    """`carry = body(e, first_row, group_end, carry)` for every chunk of `chunk` rows of every group, group by group
-    (row-sorted groups of `sizes_E` rows): as many chunks as the groups fill, a loop with a run-time trip count."""
+def _each_chunk(sizes_E, chunk: int, body, carry, skip: int = 0):
+    """`carry = body(e, first_row, group_end, carry)` for every chunk of `chunk` rows of every group past its first
+    `skip` rows, group by group (row-sorted groups of `sizes_E` rows): as many chunks as the groups fill, a loop with
+    a run-time trip count."""
     end_E = jnp.cumsum(sizes_E)
-    start_E = end_E - sizes_E
-    chunks_E = (sizes_E + chunk - 1) // chunk
+    start_E = end_E - sizes_E + skip
+    chunks_E = (jnp.maximum(sizes_E - skip, 0) + chunk - 1) // chunk
+    done_E = jnp.cumsum(chunks_E)
 
-    def group(e, carry):
-        return jax.lax.fori_loop(0, chunks_E[e], lambda j, c: body(e, start_E[e] + j * chunk, end_E[e], c), carry)
+    def one(i, carry):  # chunk i of them all: chunk j of group e
+        e = jnp.searchsorted(done_E, i, side="right")
+        return body(e, start_E[e] + (i - done_E[e] + chunks_E[e]) * chunk, end_E[e], carry)
 
-    return jax.lax.fori_loop(0, sizes_E.shape[0], group, carry)
+    return jax.lax.fori_loop(0, done_E[-1], one, carry)
 
 
 def _chunk_rows(x_RxD, first, end, chunk: int):
@@ -472,8 +626,31 @@ def _varying_like(carry, *operands):
     return jax.lax.pcast(carry, axes, to="varying") if axes else carry
 
 
-def _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk: int):
+def _heads(x_RxD, sizes_E, head: int):
+    """Each group's first `head` rows as a [E, head, D] block (zero past the group's end), and for every row of
+    `x` (group, index into the flattened blocks, whether it is in one)."""
+    R = x_RxD.shape[0]
+    end_E = jnp.cumsum(sizes_E)
+    start_E = end_E - sizes_E
+    at_H = jnp.arange(head, dtype=sizes_E.dtype)
+    in_ExH = at_H[None, :] < sizes_E[:, None]
+    rows_ExH = jnp.minimum(start_E[:, None] + at_H[None, :], R - 1)
+    block_ExHxD = jnp.where(in_ExH[..., None], x_RxD[rows_ExH], jnp.zeros((), x_RxD.dtype))
+    row_R = jnp.arange(R, dtype=sizes_E.dtype)
+    group_R = jnp.minimum(jnp.searchsorted(end_E, row_R, side="right"), sizes_E.shape[0] - 1)
+    at_R = row_R - start_E[group_R]
+    in_R = (at_R < head) & (row_R < end_E[-1])
+    return block_ExHxD, group_R * head + jnp.minimum(at_R, head - 1), in_R
+
+
+def _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk: int, head: int, heads=None):
+    """The product; `heads`: `_heads(x_RxD, sizes_E, head)` where the caller has it."""
     dtype = jnp.result_type(x_RxD, w_ExDxF)
+    y_RxF = _varying_like(jnp.zeros((x_RxD.shape[0], w_ExDxF.shape[2]), dtype), x_RxD, w_ExDxF, sizes_E)
+    if head:
+        block_ExHxD, flat_R, in_R = _heads(x_RxD, sizes_E, head) if heads is None else heads
+        y_ExHxF = jnp.einsum("ehd,edf->ehf", block_ExHxD, w_ExDxF).astype(dtype)
+        y_RxF = jnp.where(in_R[:, None], y_ExHxF.reshape(-1, y_ExHxF.shape[2])[flat_R], y_RxF)
 
     def body(e, first, end, y_RxF):
         x_CxD, mine_C, start = _chunk_rows(x_RxD, first, end, chunk)
@@ -481,23 +658,30 @@ def _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk: int):
         new_CxF = jnp.dot(x_CxD, w_ExDxF[e]).astype(dtype)
         return jax.lax.dynamic_update_slice_in_dim(y_RxF, jnp.where(mine_C[:, None], new_CxF, old_CxF), start, 0)
 
-    y_RxF = _varying_like(jnp.zeros((x_RxD.shape[0], w_ExDxF.shape[2]), dtype), x_RxD, w_ExDxF, sizes_E)
-    return _each_chunk(sizes_E, chunk, body, y_RxF)
+    return _each_chunk(sizes_E, chunk, body, y_RxF, skip=head)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _looped(x_RxD, w_ExDxF, sizes_E, chunk: int):
-    return _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _looped(x_RxD, w_ExDxF, sizes_E, chunk: int, head: int):
+    return _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk, head)
 
 
-def _looped_fwd(x_RxD, w_ExDxF, sizes_E, chunk: int):
-    return _looped_forward(x_RxD, w_ExDxF, sizes_E, chunk), (x_RxD, w_ExDxF, sizes_E)
+def _looped_fwd(x_RxD, w_ExDxF, sizes_E, chunk: int, head: int):
+    heads = _heads(x_RxD, sizes_E, head) if head else None
+    # the heads' block of x is kept for the backward's dw
+    return (_looped_forward(x_RxD, w_ExDxF, sizes_E, chunk, head, heads),
+            (x_RxD, w_ExDxF, sizes_E, heads[0] if head else None))
 
 
-def _looped_bwd(chunk: int, res, dy_RxF):
-    """dx: the same loop with each expert's weights transposed; dw[e]: the sum over e's chunks of x^T dy (fp32)."""
-    x_RxD, w_ExDxF, sizes_E = res
-    dx_RxD = _looped_forward(dy_RxF, jnp.swapaxes(w_ExDxF, 1, 2), sizes_E, chunk).astype(x_RxD.dtype)
+def _looped_bwd(chunk: int, head: int, res, dy_RxF):
+    """dx: the same product with each expert's weights transposed; dw[e]: x^T dy over e's rows (fp32), the heads'
+    share as one batched matmul, the rest summed chunk by chunk."""
+    x_RxD, w_ExDxF, sizes_E, x_ExHxD = res
+    heads = _heads(dy_RxF, sizes_E, head) if head else None
+    dx_RxD = _looped_forward(dy_RxF, jnp.swapaxes(w_ExDxF, 1, 2), sizes_E, chunk, head, heads).astype(x_RxD.dtype)
+    dw = _varying_like(jnp.zeros(w_ExDxF.shape, jnp.float32), x_RxD, dy_RxF, sizes_E)
+    if head:
+        dw = dw + jnp.einsum("ehd,ehf->edf", x_ExHxD, heads[0], preferred_element_type=jnp.float32)
 
     def body(e, first, end, dw_ExDxF):
         x_CxD, mine_C, start = _chunk_rows(x_RxD, first, end, chunk)
@@ -505,8 +689,7 @@ def _looped_bwd(chunk: int, res, dy_RxF):
         x_CxD = jnp.where(mine_C[:, None], x_CxD, jnp.zeros((), x_CxD.dtype))
         return dw_ExDxF.at[e].add(jnp.dot(x_CxD.T, dy_CxF, preferred_element_type=jnp.float32))
 
-    dw = _varying_like(jnp.zeros(w_ExDxF.shape, jnp.float32), x_RxD, dy_RxF, sizes_E)
-    dw = _each_chunk(sizes_E, chunk, body, dw).astype(w_ExDxF.dtype)
+    dw = _each_chunk(sizes_E, chunk, body, dw, skip=head).astype(w_ExDxF.dtype)
     # summed over the mesh axes the primal does not vary over, as autodiff's own transpose would
     dx_RxD, dw = (jax.lax.psum(v, axes) if axes else v
                   for v, axes in ((dx_RxD, _extra_axes(dx_RxD, x_RxD)), (dw, _extra_axes(dw, w_ExDxF))))
@@ -516,15 +699,21 @@ def _looped_bwd(chunk: int, res, dy_RxF):
 _looped.defvjp(_looped_fwd, _looped_bwd)
 
 
-def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256):
-    """The same product as `ragged_grouped_matmul` by a loop over each group's chunks of `chunk` rows, one plain
-    [chunk, D] x [D, F] matmul each, as many as the groups fill (a run-time trip count: the work is the routed rows
-    plus at most one chunk per group, whatever the static bound). Its backward (a custom VJP: a loop with a run-time
-    trip count has no reverse-mode rule) runs the same loops: dx with the weights transposed, dw[e] as the sum of x^T
-    dy over e's chunks. XLA:CPU runs such matmuls at the rate of a dense one, where the tiled version's batched
-    matmul of many small items runs at about 0.4 of it (benchmarks/RESULTS.md, "Mixture of experts on CPU"). The
-    CPU's choice; rows past the last group stay zero."""
-    return _looped(x_RxD, w_ExDxF, sizes_E, max(1, min(chunk, x_RxD.shape[0])))
+def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256, head: float | int = 1.25):
+    """The same product as `ragged_grouped_matmul`: each group's first `head` rows as one batched matmul over the
+    groups ([E, head, D] x [E, D, F]), and the rows past them by a loop over chunks of `chunk` rows, one plain
+    [chunk, D] x [D, F] matmul each, as many as the groups fill (a run-time trip count: none when every group fits
+    its head, whatever the routing). A float `head` is that share of the rows an even split gives each group
+    (R / E), rounded up to a multiple of 8; 0 runs every row through the loop. Its backward (a custom VJP: a loop
+    with a run-time trip count has no reverse-mode rule) does the same: dx with the weights transposed, dw[e] as x^T
+    dy over the heads and then the chunks. XLA:CPU runs a batched matmul of a few large items, or a plain one, at
+    about the rate of one dense matmul, where many small matmuls (chunks, or the tiled version's items) run at
+    about half of it (benchmarks/RESULTS.md, "Mixture of experts on CPU"). The CPU's choice; rows past the last
+    group stay zero."""
+    R, E = x_RxD.shape[0], w_ExDxF.shape[0]
+    if isinstance(head, float):
+        head = 8 * math.ceil(head * R / E / 8)
+    return _looped(x_RxD, w_ExDxF, sizes_E, max(1, min(chunk, R)), max(0, min(int(head), R)))
 
 
 register("grouped_matmul", "xla", ragged_grouped_matmul)

@@ -25,7 +25,7 @@ Fields `settle` fills:
 | attention | Pallas flash attention (Mosaic) when the kernel takes the shapes | cuDNN (bf16/fp16, no segment ids, L == S) | XLA |
 | loss | chunked when the fp32 logits of one device pass 256 MiB | chunked when they pass 8 GiB (the full logits are faster on GPU) | XLA (full logits) |
 | norm | XLA | XLA | XLA |
-| grouped_matmul (MoE) | XLA's ragged dot (a grouped-matmul kernel) | XLA's ragged dot | loop (XLA:CPU runs a ragged dot as one dense matmul per expert, and the tiled version's batched matmul at about 0.4 of a dense one's rate) |
+| grouped_matmul (MoE) | XLA's ragged dot (a grouped-matmul kernel) | XLA's ragged dot | loop (XLA:CPU runs a ragged dot as one dense matmul per expert, and the tiled version's batched matmul at about 0.4 of a dense one's rate); with the expert weights whole on the device the MoE layer runs expert blocks instead (`moe._blocked`) |
 
 Otherwise XLA, with the reason. The chunked loss gives way to the full logits when the vocabulary or the sequence is
 split across devices (it works on whole rows of one device's batch), and under a pipeline (its last stage computes
