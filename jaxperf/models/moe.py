@@ -350,9 +350,7 @@ def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     (`_overflow_mlp`, a loop with a run-time trip count: zero when there are none). No [S, F] arrays, and XLA:CPU
     runs a batched matmul of a few large items at about a dense one's rate."""
     T, K = experts_TxK.shape
-    S, D = T * K, x_TxD.shape[1]
-    w_in, w_gate, w_out, b_in, b_out = weights
-    E = w_in.shape[0]
+    S, D, E = T * K, x_TxD.shape[1], weights[0].shape[0]
     expert_S = experts_TxK.reshape(S)
     order_S, sizes_E = ep.group_rows(expert_S, E)
     start_E = jnp.cumsum(sizes_E) - sizes_E
@@ -364,15 +362,7 @@ def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     row_S, in_S = expert_S * head + jnp.minimum(at_S, head - 1), at_S < head  # slot -> block row
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
     x_ExHxD = _take_rows(x_SxD, slot_B, in_B, row_S, in_S).reshape(E, head, D)
-    h = jnp.einsum("ehd,edf->ehf", x_ExHxD, w_in)
-    if b_in is not None:
-        h = h + b_in[:, None, :]
-    gate = jnp.einsum("ehd,edf->ehf", x_ExHxD, w_gate) if w_gate is not None else None
-    h, gate = _tag_hidden(h, gate)
-    out_ExHxD = jnp.einsum("ehf,efd->ehd", _activate(h, gate, act), w_out)
-    if b_out is not None:
-        out_ExHxD = out_ExHxD + b_out[:, None, :]
-    out_SxD = _take_rows(out_ExHxD.reshape(E * head, D), row_S, in_S, slot_B, in_B)
+    out_SxD = _take_rows(_batched_mlp(x_ExHxD, weights, act).reshape(E * head, D), row_S, in_S, slot_B, in_B)
     over_SxD = _overflow_mlp(x_SxD, order_S, sizes_E, weights, act, min(256, S), head)
     out_SxD = jnp.where(in_S[:, None], out_SxD, over_SxD)
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
@@ -482,20 +472,9 @@ def _take_rows_bwd(res, g_MxD):
 _take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
-    """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
-    any token's second (GShard), tokens in order within a choice, so overflow drops the later and lower choices."""
-    T, K = experts_TxK.shape
+def _batched_mlp(x_ExCxD, weights, act: str):
+    """Every expert's MLP on its own [C, D] block of rows: batched matmuls over the experts."""
     w_in, w_gate, w_out, b_in, b_out = weights
-    E = w_in.shape[0]
-    C = capacity(T, K, E, factor)
-    experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
-    position_S = ep.ranks_within_groups(experts_S, E)
-    keep_S = position_S < C
-    tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
-    # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").
-    x_ExCxD = jnp.zeros((E, C, x_TxD.shape[1]), x_TxD.dtype).at[experts_S, position_S].add(
-        jnp.take(x_TxD, tokens_S, axis=0), mode="drop")
     h_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_in)
     if b_in is not None:
         h_ExCxF = h_ExCxF + b_in[:, None, :]
@@ -504,6 +483,23 @@ def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str)
     out_ExCxD = jnp.einsum("ecf,efd->ecd", _activate(h_ExCxF, gate_ExCxF, act), w_out)
     if b_out is not None:
         out_ExCxD = out_ExCxD + b_out[:, None, :]
+    return out_ExCxD
+
+
+def _capacity(x_TxD, weights_TxK, experts_TxK, weights, factor: float, act: str):
+    """At most C slots per expert: (y [T, D], the share of slots dropped). Every token's first choice comes before
+    any token's second (GShard), tokens in order within a choice, so overflow drops the later and lower choices."""
+    T, K = experts_TxK.shape
+    E = weights[0].shape[0]
+    C = capacity(T, K, E, factor)
+    experts_S = experts_TxK.T.reshape(K * T)  # slot s = k * T + t: choice-major priority
+    position_S = ep.ranks_within_groups(experts_S, E)
+    keep_S = position_S < C
+    tokens_S = jnp.arange(K * T, dtype=jnp.int32) % T
+    # Slots past C fall outside the buffer and are dropped by the scatter itself (mode="drop").
+    x_ExCxD = jnp.zeros((E, C, x_TxD.shape[1]), x_TxD.dtype).at[experts_S, position_S].add(
+        jnp.take(x_TxD, tokens_S, axis=0), mode="drop")
+    out_ExCxD = _batched_mlp(x_ExCxD, weights, act)
     out_SxD = out_ExCxD[experts_S, jnp.minimum(position_S, C - 1)]
     combine_S = weights_TxK.T.reshape(K * T) * keep_S  # a dropped slot adds nothing
     out_KxTxD = (out_SxD * combine_S.astype(out_SxD.dtype)[:, None]).reshape(K, T, -1)
