@@ -383,7 +383,7 @@ def _mlp_chunk(x_CxD, e, weights, act: str):
 
 def _overflow_rows(order_S, first, end, chunk: int):
     """The slots of sorted positions first .. first + chunk (the sort's `order`), and which of them are before `end`
-    (past it, the index is S: a gather clips it, a scatter drops it)."""
+    (past it, the index is S: gathers clip it to a real row, whose share the mask zeroes; scatters drop it)."""
     S = order_S.shape[0]
     at_C = first + jnp.arange(chunk, dtype=order_S.dtype)
     mine_C = at_C < end
@@ -393,7 +393,7 @@ def _overflow_rows(order_S, first, end, chunk: int):
 def _overflow_forward(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
     def body(e, first, end, y_SxD):
         slot_C, _ = _overflow_rows(order_S, first, end, chunk)
-        out_CxD = _mlp_chunk(x_SxD[slot_C], e, weights, act)[0]  # (a gather clips the rows past `end`)
+        out_CxD = _mlp_chunk(jnp.take(x_SxD, slot_C, axis=0, mode="clip"), e, weights, act)[0]
         return y_SxD.at[slot_C].set(out_CxD.astype(y_SxD.dtype), mode="drop")
 
     live = [w for w in weights if w is not None]
@@ -422,8 +422,9 @@ def _overflow_mlp_bwd(act: str, chunk: int, skip: int, res, dy_SxD):
     def body(e, first, end, carry):
         dx_SxD, dw = carry
         slot_C, mine_C = _overflow_rows(order_S, first, end, chunk)
-        x_CxD = x_SxD[slot_C]
-        dy_CxD = jnp.where(mine_C[:, None], dy_SxD[slot_C], jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
+        x_CxD = jnp.take(x_SxD, slot_C, axis=0, mode="clip")
+        dy_CxD = jnp.where(mine_C[:, None], jnp.take(dy_SxD, slot_C, axis=0, mode="clip"),
+                           jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
         _, h_CxF, gate_CxF = _mlp_chunk(x_CxD, e, weights, act)
         a_CxF, act_vjp = jax.vjp(lambda h, g: _activate(h, g, act), h_CxF, gate_CxF)
         dh_CxF, dgate_CxF = act_vjp(jnp.dot(dy_CxD, w_out[e].T).astype(a_CxF.dtype))
