@@ -337,9 +337,9 @@ def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm, gather_ro
 HEAD_SHARE = 1.25  # an expert block's rows, as a share of the rows an even split gives each expert
 
 
-def _head_rows(rows: int, groups: int) -> int:
-    """Rows of each group's block: HEAD_SHARE x an even split's, rounded up to a multiple of 8, at most `rows`."""
-    return min(rows, 8 * math.ceil(HEAD_SHARE * rows / groups / 8))
+def _head_rows(rows: int, groups: int, share: float = HEAD_SHARE) -> int:
+    """Rows of each group's block: `share` x an even split's, rounded up to a multiple of 8, at most `rows`."""
+    return min(rows, 8 * math.ceil(share * rows / groups / 8))
 
 
 def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
@@ -368,17 +368,14 @@ def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
 
-def _mlp_chunk(x_CxD, e, weights, act: str):
-    """One chunk of expert `e`'s rows through its MLP: (out [C, D], the activation's inputs h and gate)."""
-    w_in, w_gate, w_out, b_in, b_out = weights
-    h_CxF = jnp.dot(x_CxD, w_in[e])
-    if b_in is not None:
-        h_CxF = h_CxF + b_in[e][None, :]
-    gate_CxF = jnp.dot(x_CxD, w_gate[e]) if w_gate is not None else None
-    out_CxD = jnp.dot(_activate(h_CxF, gate_CxF, act), w_out[e])
-    if b_out is not None:
-        out_CxD = out_CxD + b_out[e][None, :]
-    return out_CxD, h_CxF, gate_CxF
+def _one_expert(weights, e):
+    """Expert `e`'s weights, each with a leading axis of 1."""
+    return tuple(None if w is None else jax.lax.dynamic_slice_in_dim(w, e, 1) for w in weights)
+
+
+def _expert_rows_mlp(x_CxD, one, act: str):
+    """Rows through one expert's MLP (`one`: `_one_expert`), as a block of one."""
+    return _batched_mlp(x_CxD[None], one, act)[0]
 
 
 def _overflow_rows(order_S, first, end, chunk: int):
@@ -393,7 +390,7 @@ def _overflow_rows(order_S, first, end, chunk: int):
 def _overflow_forward(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
     def body(e, first, end, y_SxD):
         slot_C, _ = _overflow_rows(order_S, first, end, chunk)
-        out_CxD = _mlp_chunk(jnp.take(x_SxD, slot_C, axis=0, mode="clip"), e, weights, act)[0]
+        out_CxD = _expert_rows_mlp(jnp.take(x_SxD, slot_C, axis=0, mode="clip"), _one_expert(weights, e), act)
         return y_SxD.at[slot_C].set(out_CxD.astype(y_SxD.dtype), mode="drop")
 
     live = [w for w in weights if w is not None]
@@ -416,24 +413,16 @@ def _overflow_mlp_fwd(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, sk
 
 def _overflow_mlp_bwd(act: str, chunk: int, skip: int, res, dy_SxD):
     x_SxD, order_S, sizes_E, weights = res
-    w_in, w_gate, w_out, _, _ = weights
-    outer = lambda a, b: jnp.dot(a.T, b, preferred_element_type=jnp.float32)  # noqa: E731
 
     def body(e, first, end, carry):
         dx_SxD, dw = carry
         slot_C, mine_C = _overflow_rows(order_S, first, end, chunk)
-        x_CxD = jnp.take(x_SxD, slot_C, axis=0, mode="clip")
         dy_CxD = jnp.where(mine_C[:, None], jnp.take(dy_SxD, slot_C, axis=0, mode="clip"),
                            jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
-        _, h_CxF, gate_CxF = _mlp_chunk(x_CxD, e, weights, act)
-        a_CxF, act_vjp = jax.vjp(lambda h, g: _activate(h, g, act), h_CxF, gate_CxF)
-        dh_CxF, dgate_CxF = act_vjp(jnp.dot(dy_CxD, w_out[e].T).astype(a_CxF.dtype))
-        parts = (outer(x_CxD, dh_CxF), None if w_gate is None else outer(x_CxD, dgate_CxF), outer(a_CxF, dy_CxD),
-                 jnp.sum(dh_CxF, axis=0, dtype=jnp.float32), jnp.sum(dy_CxD, axis=0, dtype=jnp.float32))
-        dw = tuple(None if g is None else g.at[e].add(p) for g, p in zip(dw, parts))
-        dx_CxD = jnp.dot(dh_CxF, w_in[e].T)
-        if w_gate is not None:
-            dx_CxD = dx_CxD + jnp.dot(dgate_CxF, w_gate[e].T)
+        x_CxD = jnp.take(x_SxD, slot_C, axis=0, mode="clip")
+        _, vjp = jax.vjp(lambda x, one: _expert_rows_mlp(x, one, act), x_CxD, _one_expert(weights, e))
+        dx_CxD, dw_e = vjp(dy_CxD)  # (the hidden values recomputed)
+        dw = tuple(None if g is None else g.at[e].add(d[0].astype(jnp.float32)) for g, d in zip(dw, dw_e))
         return dx_SxD.at[slot_C].set(dx_CxD.astype(dx_SxD.dtype), mode="drop"), dw
 
     live = [w for w in weights if w is not None]
@@ -696,7 +685,8 @@ def _looped_bwd(chunk: int, head: int, res, dy_RxF):
 _looped.defvjp(_looped_fwd, _looped_bwd)
 
 
-def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256, head: float | int = 1.25):
+def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256,
+                          head: float | int = HEAD_SHARE):
     """The same product as `ragged_grouped_matmul`: each group's first `head` rows as one batched matmul over the
     groups ([E, head, D] x [E, D, F]), and the rows past them by a loop over chunks of `chunk` rows, one plain
     [chunk, D] x [D, F] matmul each, as many as the groups fill (a run-time trip count: none when every group fits
@@ -707,9 +697,9 @@ def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int 
     about the rate of one dense matmul, where many small matmuls (chunks, or the tiled version's items) run at
     about half of it (benchmarks/RESULTS.md, "Mixture of experts on CPU"). The CPU's choice; rows past the last
     group stay zero."""
-    R, E = x_RxD.shape[0], w_ExDxF.shape[0]
+    R = x_RxD.shape[0]
     if isinstance(head, float):
-        head = 8 * math.ceil(head * R / E / 8)
+        head = _head_rows(R, w_ExDxF.shape[0], head)
     return _looped(x_RxD, w_ExDxF, sizes_E, max(1, min(chunk, R)), max(0, min(int(head), R)))
 
 
