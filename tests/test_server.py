@@ -262,18 +262,23 @@ def test_a_non_streaming_client_that_disconnects_is_cancelled_too(slow):
 
 
 def test_a_timed_out_request_gets_a_clear_error_and_the_others_are_unaffected(gen):
-    app = create_app(gen, max_batch=2, chunk=2, max_tokens_limit=LIMIT, request_timeout_s=1.0)
+    app = create_app(gen, max_batch=2, chunk=2, max_tokens_limit=LIMIT, request_timeout_s=2.0)
+    # Compiled before the clock runs: the short request's 2 s must hold its prefill and one decode call, not a
+    # compile on a busy machine.
+    app.state.scheduler.warmup(prompt_lengths=(len("Hi") + 1, len("Once upon") + 1))
     for replica in app.state.scheduler.replicas:
-        replica.gen = _Paced(gen, SlowDecode(gen, 0.15))  # 40 tokens in 20 calls: about 3 s > 1 s
+        replica.gen = _Paced(gen, SlowDecode(gen, 0.25))  # 40 tokens in 20 calls: about 5 s > 2 s
+    compiled = gen.compile_s
     srv = Server(app)
     try:
         short_body = {"prompt": "Hi", "max_tokens": 2, "temperature": 0.0}
         (long_status, long_text), (short_status, short_text) = concurrently(
             lambda: srv.post("/generate", {"prompt": "Once upon", "max_tokens": LIMIT}),
             lambda: srv.post("/generate", short_body))
+        assert gen.compile_s == compiled, "a request compiled under the clock: warm up its prompt length"
         assert long_status == 504, long_text
         message = json.loads(long_text)["error"]
-        assert "did not finish within 1 s" in message and f"of {LIMIT} tokens were generated" in message, message
+        assert "did not finish within 2 s" in message and f"of {LIMIT} tokens were generated" in message, message
         assert short_status == 200 and json.loads(short_text)["tokens"] == alone(gen, short_body).tokens
         m = srv.metrics()
         assert m["timeouts"] == 1 and m["completed"] == 1 and m["active"] == 0
