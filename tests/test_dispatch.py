@@ -84,6 +84,20 @@ def test_scan_unroll_is_the_platforms_unless_set():
     assert plat.for_platform(get_config("tiny", ["model.scan_unroll=2"]).model, "tpu").scan_unroll == 2
 
 
+def test_layer_weights_are_rounded_before_the_cast_on_tpu_unless_set():
+    """On TPU the layers round an fp32 weight slice to bf16's bits before casting it (the compiler then makes no bf16
+    copy of the stacked weights: tests/test_topology.py); elsewhere the plain cast; a set value stays."""
+    tiny = get_config("tiny").model
+    assert tiny.round_weights_before_cast is None
+    assert plat.for_platform(tiny, "tpu").round_weights_before_cast is True
+    assert plat.for_platform(tiny, "cpu").round_weights_before_cast is False
+    assert plat.for_platform(tiny, "gpu").round_weights_before_cast is False
+    off = get_config("tiny", ["model.round_weights_before_cast=false"]).model
+    assert plat.for_platform(off, "tpu").round_weights_before_cast is False
+    on = get_config("tiny", ["model.round_weights_before_cast=true"]).model
+    assert plat.for_platform(on, "cpu").round_weights_before_cast is True
+
+
 def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
     cfg = get_config("gpt2-small")
     mesh = {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}

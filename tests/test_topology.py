@@ -122,6 +122,36 @@ def test_compile_a_four_axis_mesh_for_a_v5p_slice():
     assert abs(r["estimated_bytes_per_chip"] / b["total"] - 1) < 0.25, r
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not NEWEST_TPU_COMPILER, reason="compiled with the TPU compiler jax 0.12 pins (libtpu 0.0.42's "
+                    "program makes and loses the same copy)")
+def test_rounding_the_weights_before_the_cast_takes_the_stacked_copy_out_of_the_tpu_program():
+    """With bf16 compute over fp32 weights, a plain cast of each scanned layer's weight slice becomes, in the TPU
+    compiler's hands, one cast of the whole stacked shard before the layer loop: a bf16 copy of every layer's
+    weights (here bf16[8,128,2048] per MLP weight on each chip) live through the step. Rounding the fp32 slice to
+    bf16's bits first (`model.round_weights_before_cast`, settled on for TPU) keeps the cast inside the loop. The
+    estimate counts the copy only where the program makes it."""
+    common = ["--topology", "v5p:2x2x1", "--json", "--buffers", "60", "--preset", "llama-1b", "model.d_model=512",
+              "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8", "model.mlp_dim=2048",
+              "model.vocab_size=1024", "model.max_seq_len=256", "seq_len=256", "batch_size=16"]
+    runs = {}
+    for name, extra in (("default", []), ("plain", ["model.round_weights_before_cast=false"])):
+        out = _compile([*common, *extra], libtpu=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stacked_bf16_weights(r):
+        return [e for e in r["buffers"]["largest"]["temp"] if e["shape"] in ("bf16[8,128,2048]", "bf16[8,2048,128]")]
+
+    assert len(stacked_bf16_weights(runs["plain"])) == 3, runs["plain"]["buffers"]["largest"]["temp"]
+    assert stacked_bf16_weights(runs["default"]) == [], runs["default"]["buffers"]["largest"]["temp"]
+    # every layer weight (attention, MLP and the two norm scales) in bf16, a quarter of it per chip
+    copy = 8 * (4 * 512 * 512 + 3 * 512 * 2048 + 2 * 512) * 2 // 4
+    plain, default = runs["plain"], runs["default"]
+    assert plain["estimated_parts"]["gathered"] - default["estimated_parts"]["gathered"] == copy
+    # (the two temp totals: equal with libtpu 0.0.50.1 at these widths, where the block's packing hides 16 MiB)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Train steps compiled in this process for four v5p chips (two layers deep): every strategy as the jit step (GSPMD) and
 # as the shard_map step (collectives by hand) at tiny widths, and every preset once at its own widths and vocabulary.

@@ -98,9 +98,9 @@ class ModelConfig:
     keep_head_dims: bool | None = None
     # Round each fp32 layer weight to bf16's bits (reduce_precision) before its cast to a bf16 compute dtype:
     # the same values and gradients, but the TPU compiler no longer casts the whole stacked weights once before the
-    # layer loop, a copy live through the step (Llama2-7B over 16 v5p chips: 809 MB per chip). Off by default: the
-    # memory estimate, made for the programs with the copy, then overshoots some (llama-1b on v6e:2x2: 1.13x).
-    round_weights_before_cast: bool = False
+    # layer loop, a copy live through the step (Llama2-7B over 16 v5p chips: 809 MB per chip). None: the platform's
+    # choice (jaxperf.models.platform): on TPU, elsewhere the plain cast
+    round_weights_before_cast: bool | None = None
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
     # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled
     # config runs the portable choices: XLA for every "auto", scan_unroll 1, no barrier.

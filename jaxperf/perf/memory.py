@@ -496,6 +496,17 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     batch = cfg.batch_size / dp * L * 3 * 4
     compute = s / jnp.dtype(r.param_dtype).itemsize
     gathered = gathered_layers * compute if shape["fsdp"] > 1 and "fsdp" in rules.mesh_axes_used() else 0.0
+    fsdp_gathered = gathered
+    if platform == "tpu" and r.scan_layers and not r.round_weights_before_cast and compute < 1:
+        # The plain cast of a scanned layer's weight slice: the TPU compiler casts the whole stacked shard once before
+        # the layer loop instead, a compute-dtype copy of every layer's weights (but the experts: the MoE layer
+        # rounds its own slice) live through the step. Plain minus rounded compiled bytes, libtpu 0.0.50.1: llama-1b
+        # on 4 chips 450-464 MiB against 464 counted here, Llama-3.1-8B shapes on 32 chips 414 against 416
+        # (docs/performance.md)
+        for leaf_shape, dtype, axes in _param_leaves(cfg.model):
+            if axes and axes[0] == "layers" and "expert" not in axes:
+                gathered += (math.prod(leaf_shape) * jnp.dtype(dtype).itemsize * compute
+                             / _shard_factor(leaf_shape, axes, rules.params, shape))
     stash = 0.0
     if stages > 1:  # the stage inputs held between a microbatch's forward and backward
         _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
@@ -589,13 +600,17 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     if newer_tpu_compiler:
         # libtpu 0.0.52 and later: whatever the loss, its working set shares addresses with the weight gradients
         # and the gathered layer weights (counted apart), which are not live while it runs
-        activations = stack + max(layer_bwd, loss - grads - gathered) + unrolled + stash
-    elif loss_impl == "xla":
+        activations = stack + max(layer_bwd, loss - grads - fsdp_gathered) + unrolled + stash
+    elif loss_impl == "xla" or stack < grads:
         activations = stack + max(layer_bwd, loss) + unrolled + stash
     else:
-        # The chunked and fused losses hold their fp32 weight gradient across a loop; the TPU compiler reports
-        # their working set on top of the layers' (measured: its temporaries exceed its own buffer assignment by
-        # that working set), so the two add up
+        # The chunked and fused losses hold their fp32 weight gradient across a loop. Where the forward's saved
+        # stack outweighs the weight gradients, the older compilers' peak is at the loss, the whole stack live, and
+        # their reported temporaries exceed their own buffer assignment by about a layer's backward working set on
+        # top of the loss's (llama-1b at 4 rows per chip on v5p:2x2x1, the Pallas attention and chunked loss: 2.04
+        # GiB outside the assignment), so the two add up. Where the gradient stacks outweigh it (remat full at one
+        # row per chip), the peak is in the layers' backward, beside the gradient stacks, and the loss's working
+        # set is gone by then (the buffer report of the same model on v6e:2x2 with the fused loss)
         activations = stack + layer_bwd + loss + unrolled + stash
     return MemoryEstimate(int(params), int(2 * params), int(grads), int(activations), int(batch), int(gathered), cfg,
                           shape, code=ACCELERATOR_CODE_BYTES)
