@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -345,12 +346,10 @@ def _head_rows(rows: int, groups: int, share: float = HEAD_SHARE) -> int:
 def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     """The dropless experts as dense blocks: each expert's first `head` slots gathered straight into an
     [E, head, D] block (in slot order, zeros after), the MLP as batched matmuls over the experts, and each slot's
-    output gathered back; the gathers' gradients are gathers by the inverse map (`_take_rows`). The slots past an
-    expert's block (none while the routing is within HEAD_SHARE of even) go through its whole MLP chunk by chunk
-    (`_overflow_mlp`, a loop with a run-time trip count: zero when there are none). No [S, F] arrays, and XLA:CPU
-    runs a batched matmul of a few large items at about a dense one's rate."""
+    output gathered back (`_blocked_mlp`). No [S, F] arrays, and XLA:CPU runs a batched matmul of a few large items
+    at about a dense one's rate."""
     T, K = experts_TxK.shape
-    S, D, E = T * K, x_TxD.shape[1], weights[0].shape[0]
+    S, E = T * K, weights[0].shape[0]
     expert_S = experts_TxK.reshape(S)
     order_S, sizes_E = ep.group_rows(expert_S, E)
     start_E = jnp.cumsum(sizes_E) - sizes_E
@@ -361,11 +360,94 @@ def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     at_S = inverse_S - start_E[expert_S]
     row_S, in_S = expert_S * head + jnp.minimum(at_S, head - 1), at_S < head  # slot -> block row
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
-    x_ExHxD = _take_rows(x_SxD, slot_B, in_B, row_S, in_S).reshape(E, head, D)
-    out_SxD = _take_rows(_batched_mlp(x_ExHxD, weights, act).reshape(E * head, D), row_S, in_S, slot_B, in_B)
-    over_SxD = _overflow_mlp(x_SxD, order_S, sizes_E, weights, act, min(256, S), head)
-    out_SxD = jnp.where(in_S[:, None], out_SxD, over_SxD)
+    blocks = _Blocks(slot_B, in_B, row_S, in_S, order_S, sizes_E)
+    out_SxD = _blocked_mlp(x_SxD, blocks, weights, act, head, min(256, S))
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
+
+
+class _Blocks(NamedTuple):
+    """Where each slot goes in the expert blocks (`_blocked`): block row -> slot (`slot_B`, `in_B` where the row
+    holds one), slot -> block row (`row_S`, `in_S` where the slot is in its expert's block), and the slots sorted by
+    expert (`order_S`, `sizes_E` each) for those past the blocks."""
+
+    slot_B: jax.Array
+    in_B: jax.Array
+    row_S: jax.Array
+    in_S: jax.Array
+    order_S: jax.Array
+    sizes_E: jax.Array
+
+
+def _gather_rows(x_NxD, index_M, mask_M):
+    """x[index[m]] where mask[m], else zero."""
+    return jnp.where(mask_M[:, None], x_NxD[index_M], jnp.zeros((), x_NxD.dtype))
+
+
+def _blocked_forward(x_SxD, b: _Blocks, weights, act: str, head: int, chunk: int):
+    E = b.sizes_E.shape[0]
+    x_ExHxD = _gather_rows(x_SxD, b.slot_B, b.in_B).reshape(E, head, -1)
+    y_ExHxD, pull = jax.vjp(lambda x, w: _batched_mlp(x, w, act), x_ExHxD, weights)
+    y_SxD = _gather_rows(y_ExHxD.reshape(E * head, -1), b.row_S, b.in_S)
+
+    def body(e, first, end, y_SxD):  # a chunk of the slots past expert e's block, through its whole MLP
+        slot_C, _ = _overflow_rows(b.order_S, first, end, chunk)
+        out_CxD = _expert_rows_mlp(jnp.take(x_SxD, slot_C, axis=0, mode="clip"), _one_expert(weights, e), act)
+        return y_SxD.at[slot_C].set(out_CxD.astype(y_SxD.dtype), mode="drop")
+
+    return _each_chunk(b.sizes_E, chunk, body, y_SxD, skip=head), pull
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _blocked_mlp(x_SxD, b: _Blocks, weights, act: str, head: int, chunk: int):
+    """Every slot of `x` [S, D] through its expert's MLP: each expert's first `head` slots as a block of the batched
+    MLP, the slots past it (none while the routing is within HEAD_SHARE of even) `chunk` at a time through a loop
+    with a run-time trip count, writing into the blocks' output. The backward takes the blocks' gradients from the
+    batched MLP's VJP and the loop's into the same buffers: the gathers' gradients are gathers by the inverse map
+    (where autodiff's would be a scatter-add, several times slower on XLA:CPU), and no buffer is zeroed or added for
+    a loop that runs no chunk."""
+    return _blocked_forward(x_SxD, b, weights, act, head, chunk)[0]
+
+
+def _blocked_mlp_fwd(x_SxD, b: _Blocks, weights, act: str, head: int, chunk: int):
+    y_SxD, pull = _blocked_forward(x_SxD, b, weights, act, head, chunk)
+    return y_SxD, (x_SxD, b, weights, pull)
+
+
+def _blocked_mlp_bwd(act: str, head: int, chunk: int, res, dy_SxD):
+    x_SxD, b, weights, pull = res
+    E = b.sizes_E.shape[0]
+    dx_ExHxD, dw_blocks = pull(_gather_rows(dy_SxD, b.slot_B, b.in_B).reshape(E, head, -1))
+    dx_SxD = _gather_rows(dx_ExHxD.reshape(E * head, -1), b.row_S, b.in_S)
+    live = [w for w in weights if w is not None]
+    # Inside shard_map, the blocks' weight gradients come back summed over the axes the weights do not vary over (as
+    # autodiff's transpose sums them) while the loop's vary: those add up after the loop, summed the same way.
+    apart = any(_extra_axes(dy_SxD, w) for w in live)
+    dw = tuple(None if w is None else _varying_like(jnp.zeros(w.shape, jnp.float32) if apart
+                                                      else g.astype(jnp.float32), x_SxD, dy_SxD, b.sizes_E, *live)
+               for w, g in zip(weights, dw_blocks))
+
+    def body(e, first, end, carry):
+        dx_SxD, dw = carry
+        slot_C, mine_C = _overflow_rows(b.order_S, first, end, chunk)
+        dy_CxD = jnp.where(mine_C[:, None], jnp.take(dy_SxD, slot_C, axis=0, mode="clip"),
+                           jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
+        x_CxD = jnp.take(x_SxD, slot_C, axis=0, mode="clip")
+        _, vjp = jax.vjp(lambda x, one: _expert_rows_mlp(x, one, act), x_CxD, _one_expert(weights, e))
+        dx_CxD, dw_e = vjp(dy_CxD)  # (the hidden values recomputed)
+        dw = tuple(None if g is None else g.at[e].add(d[0].astype(jnp.float32)) for g, d in zip(dw, dw_e))
+        return dx_SxD.at[slot_C].set(dx_CxD.astype(dx_SxD.dtype), mode="drop"), dw
+
+    dx_SxD = _varying_like(dx_SxD, x_SxD, dy_SxD, b.sizes_E, *live)
+    dx_SxD, dw = _each_chunk(b.sizes_E, chunk, body, (dx_SxD, dw), skip=head)
+    psum = lambda v, primal: jax.lax.psum(v, axes) if (axes := _extra_axes(v, primal)) else v  # noqa: E731
+    dw = tuple(None if g is None else psum(g, w).astype(w.dtype) for g, w in zip(dw, weights))
+    if apart:
+        dw = tuple(None if g is None else g + d for g, d in zip(dw, dw_blocks))
+    float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+    return psum(dx_SxD, x_SxD), _Blocks(*map(float0, b)), dw
+
+
+_blocked_mlp.defvjp(_blocked_mlp_fwd, _blocked_mlp_bwd)
 
 
 def _one_expert(weights, e):
@@ -385,81 +467,6 @@ def _overflow_rows(order_S, first, end, chunk: int):
     at_C = first + jnp.arange(chunk, dtype=order_S.dtype)
     mine_C = at_C < end
     return jnp.where(mine_C, order_S[jnp.minimum(at_C, S - 1)], S), mine_C
-
-
-def _overflow_forward(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
-    def body(e, first, end, y_SxD):
-        slot_C, _ = _overflow_rows(order_S, first, end, chunk)
-        out_CxD = _expert_rows_mlp(jnp.take(x_SxD, slot_C, axis=0, mode="clip"), _one_expert(weights, e), act)
-        return y_SxD.at[slot_C].set(out_CxD.astype(y_SxD.dtype), mode="drop")
-
-    live = [w for w in weights if w is not None]
-    y_SxD = _varying_like(jnp.zeros(x_SxD.shape, x_SxD.dtype), x_SxD, order_S, sizes_E, *live)
-    return _each_chunk(sizes_E, chunk, body, y_SxD, skip=skip)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _overflow_mlp(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
-    """The slots `x` [S, D] past each expert's first `skip` (in the sorted order `order_S`, `sizes_E` slots each)
-    through their expert's whole MLP, `chunk` at a time; the other slots come out zero. Its backward is one loop
-    over the same chunks, each recomputing its hidden values. Both loops run as many chunks as there are: none when
-    every expert's slots fit its first `skip`."""
-    return _overflow_forward(x_SxD, order_S, sizes_E, weights, act, chunk, skip)
-
-
-def _overflow_mlp_fwd(x_SxD, order_S, sizes_E, weights, act: str, chunk: int, skip: int):
-    return _overflow_forward(x_SxD, order_S, sizes_E, weights, act, chunk, skip), (x_SxD, order_S, sizes_E, weights)
-
-
-def _overflow_mlp_bwd(act: str, chunk: int, skip: int, res, dy_SxD):
-    x_SxD, order_S, sizes_E, weights = res
-
-    def body(e, first, end, carry):
-        dx_SxD, dw = carry
-        slot_C, mine_C = _overflow_rows(order_S, first, end, chunk)
-        dy_CxD = jnp.where(mine_C[:, None], jnp.take(dy_SxD, slot_C, axis=0, mode="clip"),
-                           jnp.zeros((), dy_SxD.dtype))  # the rest add nothing
-        x_CxD = jnp.take(x_SxD, slot_C, axis=0, mode="clip")
-        _, vjp = jax.vjp(lambda x, one: _expert_rows_mlp(x, one, act), x_CxD, _one_expert(weights, e))
-        dx_CxD, dw_e = vjp(dy_CxD)  # (the hidden values recomputed)
-        dw = tuple(None if g is None else g.at[e].add(d[0].astype(jnp.float32)) for g, d in zip(dw, dw_e))
-        return dx_SxD.at[slot_C].set(dx_CxD.astype(dx_SxD.dtype), mode="drop"), dw
-
-    live = [w for w in weights if w is not None]
-    dw = tuple(None if w is None else _varying_like(jnp.zeros(w.shape, jnp.float32), x_SxD, dy_SxD, sizes_E, *live)
-               for w in weights)
-    dx_SxD = _varying_like(jnp.zeros(x_SxD.shape, x_SxD.dtype), x_SxD, dy_SxD, sizes_E, *live)
-    dx_SxD, dw = _each_chunk(sizes_E, chunk, body, (dx_SxD, dw), skip=skip)
-    # cast back, and summed over the mesh axes the primal does not vary over, as autodiff's own transpose would
-    psum = lambda v, primal: jax.lax.psum(v, axes) if (axes := _extra_axes(v, primal)) else v  # noqa: E731
-    dw = tuple(None if g is None else psum(g.astype(w.dtype), w) for g, w in zip(dw, weights))
-    none = np.zeros(order_S.shape, jax.dtypes.float0)
-    return psum(dx_SxD, x_SxD), none, np.zeros(sizes_E.shape, jax.dtypes.float0), dw
-
-
-_overflow_mlp.defvjp(_overflow_mlp_fwd, _overflow_mlp_bwd)
-
-
-@jax.custom_vjp
-def _take_rows(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N):
-    """Row m of the result is x[index[m]] where mask[m], else zero, for a map that takes the masked m one to one
-    onto the n where inverse_mask[n] (inverse[n] naming its m): so the gradient is a gather too, g[inverse[n]] where
-    inverse_mask[n], where autodiff's would be a scatter-add (several times slower on XLA:CPU)."""
-    return jnp.where(mask_M[:, None], x_NxD[index_M], jnp.zeros((), x_NxD.dtype))
-
-
-def _take_rows_fwd(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N):
-    return _take_rows(x_NxD, index_M, mask_M, inverse_N, inverse_mask_N), (index_M, mask_M, inverse_N, inverse_mask_N)
-
-
-def _take_rows_bwd(res, g_MxD):
-    index_M, mask_M, inverse_N, inverse_mask_N = res
-    zero = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-    g_NxD = jnp.where(inverse_mask_N[:, None], g_MxD[inverse_N], jnp.zeros((), g_MxD.dtype))
-    return g_NxD, zero(index_M), zero(mask_M), zero(inverse_N), zero(inverse_mask_N)
-
-
-_take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 def _batched_mlp(x_ExCxD, weights, act: str):
