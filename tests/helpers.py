@@ -92,11 +92,14 @@ def hf_tokenizer(directory, text: str, vocab_size: int = 300, specials=("<s>", "
 
 
 def cli_env(tmp_path, devices: int | None = 8, **extra) -> dict:
-    """The environment of a CPU run with `devices` simulated devices (None: JAX's default, one) and its own cache."""
+    """The environment of a CPU run with `devices` simulated devices (None: JAX's default, one) and its own cache;
+    the test session's other XLA flags (conftest.py) carry over."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XDG_CACHE_HOME": str(tmp_path / "cache"), **extra}
-    env.pop("XLA_FLAGS", None)
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

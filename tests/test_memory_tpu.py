@@ -14,8 +14,8 @@ from the estimate and a run below leaves the 10% band.
 Each run is a test case of its own, compiled in a subprocess of its own (the compiler's memory goes with it;
 ALLOW_MULTIPLE_LIBTPU_LOAD, set by conftest.py, lets pytest-xdist workers load libtpu side by side). The whole
 matrix runs with the TPU compiler jax 0.12 pins (libtpu 0.0.50); with an older jax's compiler (jax 0.10.2 pins
-0.0.42, whose figures are within 1% of 0.0.50's for every run: docs/performance.md) the core runs (`_core`: tiny on
-both chips, one v5p run per attention and loss kind) keep that compiler proven in a fraction of the time.
+0.0.42, whose figures were within a few percent of 0.0.50's wherever the two were compared: docs/performance.md)
+two core runs (`_core`) keep that compiler proven in a fraction of the time.
 """
 
 from __future__ import annotations
@@ -93,17 +93,13 @@ CASES = [(topology, preset, overrides) for preset, overrides, topologies in RUNS
 
 
 def _core(topology: str, preset: str, overrides: list[str]) -> bool:
-    """The runs an older jax's compiler makes: tiny on both chips, and on v5p one run per attention and loss kind of
-    the GPT-2 and Llama layers (gpt2-small with the XLA attention and loss and with the Pallas attention and chunked
-    loss, llama-1b with the Pallas ones). The larger runs of the same terms (gpt2-medium, llama-1b with XLA, the
-    Llama-3.1-8B shapes), the Python loop and what only the newer compiler was measured with (MoE, host offload)
-    are the newer compiler's."""
-    if preset == "tiny":
-        return True
+    """The runs an older jax's compiler makes, on v5p: tiny (the saved stack of a rolled scan and the XLA loss) and
+    gpt2-small with the Pallas attention and the chunked loss (the kernels' terms, and the older compilers' rule for
+    the looped losses). The rest are the newer compiler's: where the two were compared, their figures differ by a
+    few percent at most (docs/performance.md: tiny by batch, llama-1b with the kernels), and the code compiled is
+    the same."""
     pallas = "attention_impl=pallas" in overrides and "loss_impl=chunked" in overrides
-    return (topology == "v5p:2x2x1" and "scan_layers=false" not in overrides
-            and not any(o.startswith("n_experts=") or o.endswith("_offloaded") for o in overrides)
-            and (preset == "gpt2-small" or (preset == "llama-1b" and pallas)))
+    return topology == "v5p:2x2x1" and (preset == "tiny" or (preset == "gpt2-small" and pallas))
 
 
 _SCRIPT = """
@@ -123,7 +119,7 @@ print(json.dumps({"compiled": r["bytes_per_chip"]["total"], "estimate": r["estim
 def test_estimate_within_10_percent_of_the_tpu_compiler(topology, preset, overrides):
     if not NEWEST_TPU_COMPILER and not _core(topology, preset, overrides):
         pytest.skip(f"compiled with the TPU compiler jax 0.12 pins; jax {jax.__version__}'s compiler runs the core "
-                    f"cases (figures within 1% of the newer one's)")
+                    f"cases")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_pythonpath(), env.get("PYTHONPATH")) if p)
