@@ -74,8 +74,8 @@ class Choice:
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
     """`cfg` with its platform and the fields that depend on the platform alone settled (platform,
-    matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast); the implementations stay as they are (`settle` picks them for
-    a train step)."""
+    matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast); the implementations stay as they
+    are (`settle` picks them for a train step)."""
     _check(platform)
     if cfg.platform is not None and cfg.platform != platform:
         raise ConfigError(f"model.platform={cfg.platform!r} but the mesh's devices are {platform!r}: leave "
