@@ -114,7 +114,10 @@ def test_dense_is_the_einsum_in_value_and_gradient(materialise, keep_dims):
 
     np.testing.assert_allclose(dense(x, w, n_in=2, grad_barrier=materialise, keep_dims=keep_dims),
                                jnp.einsum("blnh,nhd->bld", x, w), rtol=1e-5, atol=1e-5)
-    for got, want in zip(jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w), jax.grad(ref, argnums=(0, 1))(x, w)):
+    # both compiled whole: with XLA:CPU's LLVM optimisations off (as the tests run: conftest.py), gelu's derivative
+    # computed op by op differs from the fused one by up to 2e-4 relative
+    grads = [jax.jit(jax.grad(f, argnums=(0, 1)))(x, w) for f in (ours, ref)]
+    for got, want in zip(*grads):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"does not end in the weight's input dims \(3, 4\)"):
         dense(x[..., :2], w, n_in=2)
