@@ -455,10 +455,12 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     sp = cfg.parallel.sequence_parallel and shape["tensor"] > 1
     rules = mesh_rules(get_rules(cfg.parallel.strategy), types.SimpleNamespace(shape=shape), sequence_parallel=sp)
     r = cfg.model.resolved()
-    params = 0.0
+    params = layer_weights = 0.0  # per device; layer_weights: the scanned layers' but the experts'
     for leaf_shape, dtype, axes in _param_leaves(cfg.model):
-        params += math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params,
-                                                                                    shape)
+        size = math.prod(leaf_shape) * jnp.dtype(dtype).itemsize / _shard_factor(leaf_shape, axes, rules.params, shape)
+        params += size
+        if axes and axes[0] == "layers" and "expert" not in axes:
+            layer_weights += size
     kinds = _layer_kinds(r)
     # What FSDP holds gathered, of the larger layer kind: two layers' weights (the one running and the next one's
     # gather), but an MoE layer's experts once (the TPU compiler's buffer report for Mixtral-8x7B over 32 v5p chips:
@@ -503,10 +505,7 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # rounds its own slice) live through the step. Plain minus rounded compiled bytes, libtpu 0.0.50.1: llama-1b
         # on 4 chips 450-464 MiB against 464 counted here, Llama-3.1-8B shapes on 32 chips 414 against 416
         # (docs/performance.md)
-        for leaf_shape, dtype, axes in _param_leaves(cfg.model):
-            if axes and axes[0] == "layers" and "expert" not in axes:
-                gathered += (math.prod(leaf_shape) * jnp.dtype(dtype).itemsize * compute
-                             / _shard_factor(leaf_shape, axes, rules.params, shape))
+        gathered += layer_weights * compute
     stash = 0.0
     if stages > 1:  # the stage inputs held between a microbatch's forward and backward
         _, slots = schedule_ticks(cfg.parallel.schedule, stages, cfg.microbatches)
