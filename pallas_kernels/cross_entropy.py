@@ -14,6 +14,9 @@ of logits at a time and recompute it in the backward instead of saving it:
 - "xla": the same maths in plain JAX under a `custom_vjp`: a `lax.map` over row chunks forward; backward, a loop over
   vocabulary blocks around a `lax.scan` over row chunks, so it holds one [chunk, block] logits tile and one fp32
   [D, block] dw accumulator (`BlockSizes.chunk_v`). It compiles well on every backend and is what "auto" picks.
+  Inside shard_map it takes w as a shard of rows (FSDP's split, `w_axes`): forward and backward then walk the same
+  vocabulary blocks, each all-gathered when its turn comes and its dw reduce-scattered when done, so the whole w is
+  never gathered on one device.
 
 Reductions: on TPU the reduced axis (vocab in the forward and dh, rows in dw) is a sequential ("arbitrary") grid
 axis whose output block stays resident and accumulates, so a tile of w or h is all that sits in VMEM. Triton has no
@@ -94,6 +97,7 @@ class _Config:
     grid_reduction: bool
     interpret: object  # bool, or pltpu.InterpretParams (the TPU interpreter)
     backend: str
+    w_axes: tuple[str, ...] = ()  # mesh axes w's rows are split over (inside shard_map); () for a whole w
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -281,16 +285,47 @@ def _chunks(cfg: _Config, x):
     return x.reshape((cfg.rows_pad // chunk, chunk) + x.shape[1:])
 
 
-def _fwd_xla(cfg: _Config, h, w, t):
-    def one(args):
-        h_c, t_c = args
-        logits = _dot(h_c, w)
-        cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-        target = jnp.sum(jnp.where(cols == t_c[:, None], logits, 0.0), axis=1)
-        return jax.nn.logsumexp(logits, axis=1), target
+def _w_block(cfg: _Config, w, col0, width: int):
+    """Columns [col0, col0 + width) of w, every row of them: gathered over `cfg.w_axes` when w is this device's shard
+    of the rows, so no more than one block of the whole w is ever live."""
+    block = lax.dynamic_slice_in_dim(w, col0, width, axis=1)
+    return lax.all_gather(block, cfg.w_axes, axis=0, tiled=True) if cfg.w_axes else block
 
-    lse, tl = lax.map(one, (_chunks(cfg, h), _chunks(cfg, t[:, 0])))
-    return lse.reshape(-1), tl.reshape(-1)
+
+def _dw_shard(cfg: _Config, dw_block):
+    """The transpose of `_w_block`'s gather: a [D, width] gradient summed over `cfg.w_axes`, each device keeping the
+    rows of its own shard."""
+    if not cfg.w_axes:
+        return dw_block
+    return lax.psum_scatter(dw_block, cfg.w_axes, scatter_dimension=0, tiled=True)
+
+
+def _fwd_xla(cfg: _Config, h, w, t):
+    """Per-row lse and target logit: a map over row chunks with a running max and sum per row, inside a loop over
+    vocabulary blocks. With w whole the block is all of V (one [chunk, V] logits tile live); with w a shard of rows
+    it is the backward's block, so one gathered [D, block] block of w and one [chunk, block] tile are live."""
+    block = cfg.block_v if cfg.w_axes else cfg.vocab_pad
+    xs = (_chunks(cfg, h), _chunks(cfg, t[:, 0]))
+    shape = (cfg.rows_pad // cfg.block_n, cfg.block_n)
+
+    def vocab_block(j, carry):
+        col0 = j * block
+        w_blk = _w_block(cfg, w, col0, block)
+
+        def one(args):
+            h_c, t_c, m_c, s_c, tl_c = args
+            logits = _dot(h_c, w_blk)
+            cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + col0
+            tl_c = tl_c + jnp.sum(jnp.where(cols == t_c[:, None], logits, 0.0), axis=1)
+            m_new = jnp.maximum(m_c, jnp.max(logits, axis=1))
+            s_c = s_c * jnp.exp(m_c - m_new) + jnp.sum(jnp.exp(logits - m_new[:, None]), axis=1)
+            return m_new, s_c, tl_c
+
+        return lax.map(one, (*xs, *carry))
+
+    init = (jnp.full(shape, -jnp.inf, _F32), jnp.zeros(shape, _F32), jnp.zeros(shape, _F32))
+    m, s, tl = lax.fori_loop(0, cfg.vocab_pad // block, vocab_block, init)
+    return (m + jnp.log(s)).reshape(-1), tl.reshape(-1)
 
 
 def xla_vocab_block(V: int, widest: int) -> int:
@@ -310,16 +345,17 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
     The outer loop walks the vocabulary blocks; the inner scan walks the row chunks, recomputing each [chunk, block]
     logits tile once, and sums that block's dw in fp32 before storing it in w's dtype. So the fp32 accumulator is
     [D, block], not [D, V] (2 GB for Llama-3's 128256 x 4096), and each element of dw is summed over the same row
-    chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in fp32.
+    chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in fp32. With w a
+    shard of rows (`cfg.w_axes`), each block is gathered on its way in and its dw reduce-scattered on its way out.
     """
-    D, V = w.shape
+    D, V = cfg.dim_pad, cfg.vocab_pad
     block = cfg.block_v
     xs = tuple(_chunks(cfg, x) for x in (h, t, lse, coef, scale))
 
     def vocab_block(j, carry):
         dh, dw = carry
         col0 = j * block
-        w_blk = lax.dynamic_slice_in_dim(w, col0, block, axis=1)
+        w_blk = _w_block(cfg, w, col0, block)
 
         def step(dw_blk, args):
             h_c, t_c, lse_c, coef_c, scale_c = args
@@ -329,7 +365,7 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
             return dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), _dot_nt(dlogits.astype(w.dtype), w_blk)
 
         dw_blk, dh_blk = lax.scan(step, jnp.zeros((D, block), _F32), xs)
-        dw = lax.dynamic_update_slice_in_dim(dw, dw_blk.astype(w.dtype), col0, axis=1)
+        dw = lax.dynamic_update_slice_in_dim(dw, _dw_shard(cfg, dw_blk.astype(w.dtype)), col0, axis=1)
         return dh + dh_blk.reshape(h.shape), dw
 
     return lax.fori_loop(0, V // block, vocab_block, (jnp.zeros(h.shape, _F32), jnp.zeros(w.shape, w.dtype)))
@@ -377,14 +413,27 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 # Public API.
 
 
-def _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss):
+def _axes_size(axes: tuple[str, ...]) -> int:
+    """Devices along these mesh axes (inside shard_map)."""
+    size = 1
+    for name in axes:
+        size *= int(lax.axis_size(name)) if hasattr(lax, "axis_size") else int(lax.psum(1, name))
+    return size
+
+
+def _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss, w_shards: int = 1):
     if h_NxD.ndim != 2 or w_DxV.ndim != 2:
         raise ValueError(
             f"h must be [N, D] and w [D, V]; got h.shape={tuple(h_NxD.shape)}, w.shape={tuple(w_DxV.shape)} "
             "(flatten batch and sequence first: h.reshape(-1, D))"
         )
     N, D = h_NxD.shape
-    if w_DxV.shape[0] != D:
+    if w_shards > 1 and w_DxV.shape[0] * w_shards != D:
+        raise ValueError(
+            f"w holds {w_DxV.shape[0]} rows split over {w_shards} devices (w_axes), {w_DxV.shape[0] * w_shards} in "
+            f"all, but h has D={D} features; pass each device its [D / {w_shards}, V] shard of w"
+        )
+    if w_shards == 1 and w_DxV.shape[0] != D:
         raise ValueError(
             f"h has D={D} features but w has {w_DxV.shape[0]} rows; w must be [D, V] = [{D}, vocab] "
             "(pass the embedding table transposed, embed_VxD.T)"
@@ -507,6 +556,7 @@ def linear_cross_entropy(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
     backend: str | None = None,
+    w_axes: str | tuple[str, ...] = (),
 ):
     """Masked softmax cross-entropy of logits = h @ w without materialising them; same contract as the reference.
 
@@ -523,6 +573,9 @@ def linear_cross_entropy(
         `pltpu.InterpretParams()` runs them there with TPU semantics (the TPU layout, grid_reduction=True).
       backend: platform the kernels are built for ("cpu", "gpu", "tpu"); default `jax.default_backend()`. Set "tpu"
         to compile for TPU devices from a CPU host (AOT against a topology).
+      w_axes: inside shard_map, the mesh axes w's rows are split over (FSDP); w_DxV is then this device's
+        [D / n, V] shard and dw comes back as the same shard, summed over those axes. "xla" gathers one vocabulary
+        block of w at a time, "pallas" and "reference" the whole of it up front.
 
     Returns:
       (loss_sum, count): fp32 scalars, sum over tokens of mask * (lse - logit[target] + z_loss * lse**2) and
@@ -532,9 +585,12 @@ def linear_cross_entropy(
       total, count = linear_cross_entropy(h.reshape(B * L, D), w, targets.reshape(B * L), mask.reshape(B * L))
       loss = total / jnp.maximum(count, 1.0)
     """
-    _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss)
+    w_axes = (w_axes,) if isinstance(w_axes, str) else tuple(w_axes)
+    _check_inputs(h_NxD, w_DxV, targets_N, mask, z_loss, _axes_size(w_axes))
     backend = _util.resolve_backend(backend)
-    which = _resolve_impl(impl, h_NxD, w_DxV, backend)
+    which = _resolve_impl(impl, h_NxD, jax.ShapeDtypeStruct(h_NxD.shape[1:] + w_DxV.shape[1:], w_DxV.dtype), backend)
+    if w_axes and which != "xla":  # its transpose, a reduce-scatter, is dw's
+        w_DxV, w_axes = lax.all_gather(w_DxV, w_axes, axis=0, tiled=True), ()
     if which == "reference":
         return linear_cross_entropy_reference(h_NxD, w_DxV, targets_N, mask, z_loss=z_loss)
     interpret = _util.resolve_interpret(interpret, backend) if which == "pallas" else False
@@ -544,10 +600,10 @@ def linear_cross_entropy(
     V = w_DxV.shape[1]
     cfg = _fit(block_sizes or BlockSizes.get_default(backend), N, D, V, which, backend, interpret,
                itemsize=jnp.dtype(h_NxD.dtype).itemsize)
-    cfg = dataclasses.replace(cfg, z_loss=float(z_loss))
+    cfg = dataclasses.replace(cfg, z_loss=float(z_loss), w_axes=w_axes)
     weight_N = jnp.ones((N,), _F32) if mask is None else mask.astype(_F32)
     h = _util.pad_axis(_util.pad_axis(h_NxD, 0, cfg.rows_pad), 1, cfg.dim_pad)
-    w = _util.pad_axis(_util.pad_axis(w_DxV, 0, cfg.dim_pad), 1, cfg.vocab_pad)
+    w = w_DxV if w_axes else _util.pad_axis(_util.pad_axis(w_DxV, 0, cfg.dim_pad), 1, cfg.vocab_pad)
     t = _util.pad_axis(targets_N.astype(jnp.int32), 0, cfg.rows_pad)[:, None]
     weight = _util.pad_axis(weight_N, 0, cfg.rows_pad)
     total, count = _fused(cfg, h, w, t, weight)

@@ -5,6 +5,8 @@ Legend: N tokens, D model width, V vocabulary.
 """
 
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,6 +179,71 @@ def test_xla_backward_accumulates_dw_one_vocab_block_at_a_time():
     assert whole - blocked >= 0.7 * accumulator, (
         f"blocked backward temp {blocked / 2**20:.0f} MiB vs one block {whole / 2**20:.0f} MiB: the fp32 dw "
         f"accumulator ({accumulator / 2**20:.0f} MiB) is still whole")
+
+
+def _split_w_loss(impl, mesh, blocks):
+    """The mean loss with rows over (data, fsdp) and w's rows over fsdp (`w_axes`), as the model's FSDP loss runs."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxperf import _compat
+
+    rows = ("data", "fsdp")
+
+    def per_shard(h, w, t, m):
+        total, count = linear_cross_entropy(h, w, t, m, impl=impl, block_sizes=blocks, w_axes="fsdp")
+        return jax.lax.psum(total, rows), jax.lax.psum(count, rows)
+
+    def loss(h, w, t, m):
+        total, count = _compat.shard_map(per_shard, mesh=mesh, in_specs=(P(rows), P("fsdp", None), P(rows), P(rows)),
+                                         out_specs=(P(), P()), check_vma=False)(h, w, t, m)
+        return total / jnp.maximum(count, 1.0)
+
+    return loss
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_w_split_over_fsdp_matches_the_whole_w_and_is_gathered_a_block_at_a_time(impl):
+    """8 devices, data=2 x fsdp=4, each holding a quarter of w's rows: loss, dh, dw and dmask equal the reference on the
+    whole w. The chunked path gathers [D, block] slices of w and reduce-scatters [D, block] gradients, never [D, V];
+    the kernel gathers the whole w up front."""
+    from jaxperf import _compat
+
+    N, D, V = 64, 32, 100
+    mesh = _compat.make_mesh((2, 4), ("data", "fsdp"))
+    h, w, t, mask = _inputs(N, D, V, jnp.float32, True, seed=3)
+    blocks = BlockSizes(block_n=8, block_v=64, chunk_n=8, chunk_v=48)  # xla: 4 vocabulary blocks of 25
+    fn = jax.jit(jax.value_and_grad(_split_w_loss(impl, mesh, blocks), argnums=(0, 1, 3)))
+    value, grads = fn(h, w, t, mask)
+    ref_value, ref_grads = _value_and_grads(h, w, t, mask, impl="reference")
+    _assert_close(value, ref_value, 1e-5, "loss")
+    for name, g, rg in zip(("dh", "dw", "dmask"), grads, ref_grads):
+        assert g.shape == rg.shape, name
+        _assert_close(g, rg, 2e-5, name)
+
+    hlo = fn.lower(h, w, t, mask).compile().as_text()
+    gathered = set(re.findall(r"= f32\[(\d+,\d+)\]\{[^}]*\} all-gather", hlo))
+    scattered = set(re.findall(r"= f32\[(\d+,\d+)\]\{[^}]*\} reduce-scatter", hlo))
+    if impl == "xla":
+        assert gathered == {f"{D},25"} and scattered == {f"{D // 4},25"}, (gathered, scattered)
+    else:
+        assert f"{D},{V}" in gathered, gathered
+
+
+def test_w_split_that_does_not_add_up_to_h_width_is_refused():
+    from jax.sharding import PartitionSpec as P
+
+    from jaxperf import _compat
+
+    mesh = _compat.make_mesh((2, 4), ("data", "fsdp"))
+    h, w, t, _ = _inputs(64, 32, 100, jnp.float32, False)
+
+    def per_shard(h, w, t):
+        return linear_cross_entropy(h, w, t, impl="xla", w_axes="fsdp")
+
+    fn = _compat.shard_map(per_shard, mesh=mesh, in_specs=(P("data"), P(None, "fsdp"), P("data")),
+                           out_specs=(P(), P()), check_vma=False)
+    with pytest.raises(ValueError, match=r"w holds 32 rows split over 4 devices \(w_axes\), 128 in all, but h has D=32"):
+        jax.eval_shape(fn, h, w, t)
 
 
 def _fixed_batch(batch=8, seq=16, vocab=256, seed=0):

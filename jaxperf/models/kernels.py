@@ -22,7 +22,7 @@ from pallas_kernels import cross_entropy as ce
 from pallas_kernels import norms
 from pallas_kernels.flash_attention import SegmentIds, as_segment_ids, flash_attention
 from pallas_kernels.flash_attention import unavailable_reason as flash_unavailable_reason
-from jaxperf.parallel.rules import activation_spec, current
+from jaxperf.parallel.rules import activation_spec, current, param_spec
 
 def _batch_axes(spec: P | None):
     return spec[0] if spec is not None and len(spec) > 0 else None
@@ -110,9 +110,11 @@ def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None, platfor
 def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform: str | None = None):
     """(sum of masked token losses, number of unmasked tokens) without [N, V] logits.
 
-    impl "pallas": the fused Pallas kernel; "chunked": the pure-JAX path over row chunks (one [chunk, V] tile live at a
-    time, in forward and backward). Under a mesh both run per batch shard, and the sums are psum-ed over the
-    data-parallel axes.
+    impl "pallas": the fused Pallas kernel; "chunked": the pure-JAX path over row chunks and vocabulary blocks (one
+    [chunk, block] tile live at a time, in forward and backward). Under a mesh both run per batch shard, and the sums
+    are psum-ed over the data-parallel axes. w goes in as the parameter rules split its rows (FSDP's `embed`): the
+    chunked path gathers one vocabulary block of it at a time and reduce-scatters that block's gradient, so neither
+    the whole w nor its whole gradient is ever live on a device; the kernel gathers it whole.
     """
     backend = platform
     which = {"chunked": "xla", "pallas": "pallas"}[impl]  # the kernel module's names: "xla" is its chunked loop
@@ -122,12 +124,14 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform
         return ce.linear_cross_entropy(h_NxD, w_DxV, targets_N, mask=mask_N, impl=which, backend=backend)
     rows = _pad_spec(row, 1)
     axes = _flat_axes(rows[0])
+    w_spec = param_spec(("embed", None), w_DxV.shape)
+    w_rows = _flat_axes(w_spec[0] if len(w_spec) else None)
 
     def per_shard(h, w, t, m):
-        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend)
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend, w_axes=w_rows)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total, count
 
-    fn = sharded(per_shard, (P(rows[0], None), P(), rows, rows), (P(), P()))
+    fn = sharded(per_shard, (P(rows[0], None), P(w_rows or None, None), rows, rows), (P(), P()))
     return fn(h_NxD, w_DxV, targets_N, mask_N)

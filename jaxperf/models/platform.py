@@ -176,8 +176,8 @@ def loss_choice(platform: str, *, rows_per_device: int, vocab: int, vocab_split:
         return Choice("loss", "xla", "the sequence is split over seq: the chunked loss works on one device's rows")
     limit = chunked_loss_bytes(platform)
     if logits > limit:
-        return Choice("loss", "chunked", f"{size} > {limit // 2**20} MiB: the chunked loss keeps one [chunk, vocab] "
-                                         "tile live")
+        return Choice("loss", "chunked", f"{size} > {limit // 2**20} MiB: the chunked loss keeps one [chunk, vocab "
+                                         "block] tile live")
     return Choice("loss", "xla", f"{size} <= {limit // 2**20} MiB")
 
 
