@@ -82,10 +82,18 @@ FITTED: dict[str, Fitted] = {
         "compiler is libtpu 0.0.52 or later: its buffer report shows the backward slicing k layers' saved arrays out "
         "of the scan's stack at once and giving each layer's fp32 attention gradients buffers of their own; v5p, "
         "gpt2-medium and llama-1b (XLA attention under save_dots, Pallas attention under remat full), k = 1, 2, 4"),
+    "unroll_shares_split_loss": Fitted(
+        {False: (1.2, 1.2), True: (0.6, 0.5)},
+        "the same where the chunked loss takes FSDP's shard of the output weights and reduce-scatters their gradient "
+        "a vocabulary block at a time: the compilers then hold more of each extra layer's recomputation. llama-1b, "
+        "Pallas attention, chunked loss, remat full, k = 4, one row per chip: +0.88 GB on v5p:2x2x1 and +0.75 GB on "
+        "v6e:2x2 with libtpu 0.0.50.1, +0.33 GB on v6e:2x2 with 0.0.52, over the whole-weight loss (fitted on the "
+        "first and the last)"),
 }
 ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
 LOSS_OVERLAP_LIBTPU = FITTED["loss_overlap_libtpu"].value
 UNROLL_SHARES = FITTED["unroll_shares"].value
+UNROLL_SHARES_SPLIT_LOSS = FITTED["unroll_shares_split_loss"].value
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -574,13 +582,16 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         layer_bwd = max(0.0, layer_bwd - saved)
     # k layers per scan iteration: the layers after the first add shares of their backward working sets, on top of
     # everything else (the compiler gives them no buffer the loss uses)
-    share_recompute, share_attention = UNROLL_SHARES[newer_tpu_compiler]
-    unrolled = (per_iteration - 1) * (share_recompute * recompute + share_attention * attention_grads)
     V, D = _split(r.padded_vocab, t), r.d_model
+    loss_impl = r.loss_impl if r.loss_impl in ("chunked", "pallas") else "xla"
+    # the chunked loss takes the output weights as FSDP splits them (jaxperf.models.kernels.linear_cross_entropy)
+    w_split = _shard_factor((D, V), ("embed", None), rules.params, shape) if loss_impl == "chunked" else 1
+    shares = UNROLL_SHARES_SPLIT_LOSS if w_split > 1 else UNROLL_SHARES
+    share_recompute, share_attention = shares[newer_tpu_compiler]
+    unrolled = (per_iteration - 1) * (share_recompute * recompute + share_attention * attention_grads)
     # every loss: the output weights gathered whole (and a transposed copy) in the compute dtype, and their fp32
     # gradient before it is reduce-scattered back to the shards
     loss = D * V * (4 + 2 * s)
-    loss_impl = r.loss_impl if r.loss_impl in ("chunked", "pallas") else "xla"
     if loss_impl == "xla":
         # the logits in the compute dtype, kept for the backward; XLA fuses the fp32 softmax and its gradient into
         # the reductions and matmuls that read them. Beside unrolled layers XLA:GPU keeps the logits in fp32 instead
@@ -588,18 +599,26 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # beside a rolled scan; 32 x 1024 fp32 logits are 6.1 GiB)
         loss += tokens * V * (4 if platform == "gpu" and unrolled_layers else s)
     elif loss_impl == "chunked":
-        # The output weights gathered, their gradient and its reduction, all in the compute dtype (the backward sums
-        # dw in fp32 one vocabulary block at a time); the forward's [chunk, V] fp32 logits tile, whose buffer the
-        # backward's fp32 dh reuses; the backward's [chunk, block] tile and fp32 [D, block] accumulator
+        # The backward's [chunk, block] tile and fp32 [D, block] dw accumulator, and ...
         chunk, block = min(1024, 8 * math.ceil(tokens / 8)), xla_vocab_block(int(V), BlockSizes.chunk_v)
-        loss = D * V * 3 * s + max(chunk * V, tokens * D) * 4 + chunk * block * (4 + s) + D * block * 4
+        loss = chunk * block * (4 + s) + D * block * 4
+        if w_split > 1:
+            # ... with the output weights as FSDP splits them, the forward walking the backward's blocks: the fp32 dh; the shard and its gradient's in the compute dtype; a
+            # gathered [D, block] block, the next one's, and a block of dw on its way to the reduce-scatter
+            loss += tokens * D * 4 + 2 * D * V / w_split * s + 3 * D * block * s
+        else:
+            # ... with the output weights whole: the compute-dtype copy, their gradient and its reduction; the
+            # forward's [chunk, V] fp32 logits tile, whose buffer the backward's fp32 dh reuses
+            loss += D * V * 3 * s + max(chunk * V, tokens * D) * 4
     else:
         # the fp32 gradient of the hidden states (the kernel's tiles live in on-chip memory)
         loss += tokens * D * 4
     if newer_tpu_compiler:
         # libtpu 0.0.52 and later: whatever the loss, its working set shares addresses with the weight gradients
-        # and the gathered layer weights (counted apart), which are not live while it runs
-        activations = stack + max(layer_bwd, loss - grads - fsdp_gathered) + unrolled + stash
+        # (counted apart), which are not live while it runs, and the layer weights FSDP gathers (counted apart) take
+        # no room beyond the larger of the layer's backward and the loss (2 rows x 4096 per chip on v5p:2x2x4, remat
+        # full: llama2-7b, mistral-7b and llama2-13b compile to 0.96-0.98x of what counts them apart)
+        activations = stack + max(0.0, max(layer_bwd, loss - grads) - fsdp_gathered) + unrolled + stash
     elif loss_impl == "xla" or stack < grads:
         activations = stack + max(layer_bwd, loss) + unrolled + stash
     else:
