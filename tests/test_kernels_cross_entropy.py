@@ -242,7 +242,8 @@ def test_w_split_that_does_not_add_up_to_h_width_is_refused():
 
     fn = _compat.shard_map(per_shard, mesh=mesh, in_specs=(P("data"), P(None, "fsdp"), P("data")),
                            out_specs=(P(), P()), check_vma=False)
-    with pytest.raises(ValueError, match=r"w holds 32 rows split over 4 devices \(w_axes\), 128 in all, but h has D=32"):
+    refusal = r"w holds 32 rows split over 4 devices \(w_axes\), 128 in all, but h has D=32"
+    with pytest.raises(ValueError, match=refusal):
         jax.eval_shape(fn, h, w, t)
 
 

@@ -603,8 +603,9 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         chunk, block = min(1024, 8 * math.ceil(tokens / 8)), xla_vocab_block(int(V), BlockSizes.chunk_v)
         loss = chunk * block * (4 + s) + D * block * 4
         if w_split > 1:
-            # ... with the output weights as FSDP splits them, the forward walking the backward's blocks: the fp32 dh; the shard and its gradient's in the compute dtype; a
-            # gathered [D, block] block, the next one's, and a block of dw on its way to the reduce-scatter
+            # ... with the output weights as FSDP splits them, the forward walking the backward's blocks: the fp32
+            # dh; the shard and its gradient's in the compute dtype; a gathered [D, block] block, the next one's,
+            # and a block of dw on its way to the reduce-scatter
             loss += tokens * D * 4 + 2 * D * V / w_split * s + 3 * D * block * s
         else:
             # ... with the output weights whole: the compute-dtype copy, their gradient and its reduction; the
