@@ -589,8 +589,8 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
     shares = UNROLL_SHARES_SPLIT_LOSS if w_split > 1 else UNROLL_SHARES
     share_recompute, share_attention = shares[newer_tpu_compiler]
     unrolled = (per_iteration - 1) * (share_recompute * recompute + share_attention * attention_grads)
-    # every loss: the output weights gathered whole (and a transposed copy) in the compute dtype, and their fp32
-    # gradient before it is reduce-scattered back to the shards
+    # the "xla" and "pallas" losses: the output weights gathered whole (and a transposed copy) in the compute dtype,
+    # and their fp32 gradient before it is reduce-scattered back to the shards (the chunked loss's term replaces it)
     loss = D * V * (4 + 2 * s)
     if loss_impl == "xla":
         # the logits in the compute dtype, kept for the backward; XLA fuses the fp32 softmax and its gradient into
