@@ -50,7 +50,14 @@ def _eight_devices():
 ACCELERATOR_PROOF_FILES = ("test_topology.py", "test_dispatch.py", "test_memory_tpu.py", "test_kernels_")
 
 
+# The longest tests (TPU compiles of whole models, one to six minutes each on 2 cores) run first: under pytest-xdist a
+# long test picked up last leaves the other worker idle until it ends.
+LONGEST_FIRST = ("test_memory_tpu.py", "test_topology.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name.startswith(ACCELERATOR_PROOF_FILES):
             item.add_marker(pytest.mark.accelerator_proof)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)) if item.get_closest_marker("slow") else len(rank))
