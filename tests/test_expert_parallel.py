@@ -23,13 +23,13 @@ from jaxperf.parallel import expert as ep
 N, E, S, D = 4, 8, 12, 3  # devices on the expert axis, experts, slots per device, width
 
 
-def _round_trip(experts_NxS, x_NxSxD, capacity=None):
+def _round_trip(experts_NxS, x_NxSxD, capacity=None, slots_per_token=1):
     """Each device's slots sent to their experts, multiplied there by (global expert id + 1), and sent back."""
     mesh = _compat.make_mesh((N,), ("expert",), devices=jax.devices()[:N])
 
     def body(experts_S, x_SxD):
         experts_S, x_SxD = experts_S[0], x_SxD[0]
-        plan = ep.send_plan(experts_S, N, E // N, capacity=capacity)
+        plan = ep.send_plan(experts_S, N, E // N, capacity=capacity, slots_per_token=slots_per_token)
         rows_x, rows_e = ep.dispatch(x_SxD, plan, "expert")
         glob = jax.lax.axis_index("expert") * (E // N) + rows_e
         rows_y = jnp.where((rows_e < E // N)[:, None], rows_x * (glob + 1)[:, None].astype(rows_x.dtype), 0.0)
@@ -56,6 +56,22 @@ def test_dropless_every_slot_reaches_its_expert_and_comes_back_in_place(skewed):
     y, keep = _round_trip(experts, x)
     assert keep.all()
     np.testing.assert_allclose(y, x * (experts + 1)[..., None], rtol=1e-6)
+
+
+def test_dropless_blocks_of_top_k_slots_hold_a_token_once_per_local_expert():
+    """Slots as tokens of k = 4 distinct experts with 2 experts per device: a block needs room for 2 slots a token,
+    half of S; device 0's tokens all choose both experts of device 2 and so fill its block exactly."""
+    k, T = 4, S // 4
+    rng = np.random.default_rng(1)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N * T)]).reshape(N, S).astype(np.int32)
+    experts[0] = np.array([[4, 5, 0, 7], [5, 1, 4, 2], [6, 4, 3, 5]]).reshape(S)
+    assert ep.send_plan(jnp.asarray(experts[0]), N, E // N, slots_per_token=k).rows == T * 2 == S // 2
+    x = rng.normal(size=(N, S, D)).astype(np.float32)
+    y, keep = _round_trip(experts, x, slots_per_token=k)
+    assert keep.all()
+    np.testing.assert_allclose(y, x * (experts + 1)[..., None], rtol=1e-6)
+    with pytest.raises(ValueError, match="not whole tokens"):
+        ep.send_plan(jnp.asarray(experts[0]), N, E // N, slots_per_token=5)
 
 
 def test_capacity_drops_exactly_the_slots_past_it_in_priority_order():

@@ -224,7 +224,8 @@ class MoE(nnx.Module):
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
-            plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority)
+            plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority,
+                                slots_per_token=k)
             rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis)
             rows_y = _expert_mlp(rows_x, rows_e, weights, act, gmm, gather_rows)
             out_SxD = ep.combine(rows_y, plan, axis)

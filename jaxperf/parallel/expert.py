@@ -10,8 +10,11 @@ data-parallel axis, each device routes its own tokens, then:
     y_SxD = combine(rows_y, plan, axis)                         # all-to-all back: every slot's output, in slot order
 
 A device sends each other device one block of `plan.rows` rows. Dropless (`capacity=None`), a block has room for all
-of the sender's S slots, whatever the routing: nothing is dropped, at the price of n x S rows of buffer per device
-(the dense all-to-all the CPU runs; a ragged all-to-all would send only the rows routed, and XLA:CPU has none). With a
+the slots the sender can route to one device, whatever the routing: its S slots, or, told that they are T tokens of k
+slots each with k distinct experts (`slots_per_token`, as top-k routes), T x min(k, E/n), since a token sends at most
+one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device (the dense all-to-all the
+CPU runs; a ragged all-to-all would send only the rows routed, and XLA:CPU has none). Mixtral (8 experts, top-2) over
+expert=8: blocks of T rows, half of S. With a
 capacity C per expert (GShard) a block holds E/n x C rows, slot rank within its expert decides who is dropped (every
 token's first choice before any token's second), and a dropped slot's output is zero: the residual carries the token.
 
@@ -41,14 +44,18 @@ class SendPlan:
 
 
 def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, capacity: int | None = None,
-              priority_S: jax.Array | None = None) -> SendPlan:
+              priority_S: jax.Array | None = None, slots_per_token: int = 1) -> SendPlan:
     """The plan for slots routed to global experts `experts_S` [S] (expert e lives on device e // experts_per_shard).
 
     Dropless (`capacity` None): a slot's row is its rank among the slots sent to the same device, ordered by expert,
-    so each expert's rows are contiguous. With `capacity` C: row = local expert x C + the slot's rank within its
-    expert in `priority_S` order (default: slot order); ranks >= C are dropped.
+    so each expert's rows are contiguous. A block has S / k x min(k, experts_per_shard) rows for k =
+    `slots_per_token`: the slots are S / k tokens' k distinct experts each (top-k), so a token sends at most
+    min(k, experts_per_shard) of them to one device. With `capacity` C: row = local expert x C + the slot's rank
+    within its expert in `priority_S` order (default: slot order); ranks >= C are dropped.
     """
     S = experts_S.shape[0]
+    if S % slots_per_token:
+        raise ValueError(f"{S} slots are not whole tokens of slots_per_token={slots_per_token}")
     dest_S = experts_S // experts_per_shard
     local_S = experts_S % experts_per_shard
     if capacity is None:
@@ -56,7 +63,8 @@ def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, ca
         rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(jnp.arange(S, dtype=jnp.int32))  # place in expert order
         counts_N = jnp.bincount(dest_S, length=n_shards)
         row_S = rank_S - (jnp.cumsum(counts_N) - counts_N)[dest_S].astype(jnp.int32)
-        return SendPlan(dest_S, row_S, jnp.ones(S, bool), local_S, S, experts_per_shard)
+        rows = S // slots_per_token * min(slots_per_token, experts_per_shard)
+        return SendPlan(dest_S, row_S, jnp.ones(S, bool), local_S, rows, experts_per_shard)
     if priority_S is None:
         rank_S = ranks_within_groups(experts_S, n_shards * experts_per_shard)
     else:

@@ -550,12 +550,14 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
                              - saved_by[moe])
     n_ep = shape.get("expert", 1)
     if True in kinds and n_ep > 1 and not r.capacity_factor:
-        # Dropless expert parallelism: each device's experts take a block of every device's S slots from the
-        # all-to-all, room for all S whatever the routing (jaxperf.parallel.expert), so the routed MLP's arrays
-        # hold n x S rows where one device routing alone holds S. The extra rows are counted as XLA holds the
-        # recomputed arrays (elementwise values inside the backward's fusions), less the MLP's input, which the
-        # layer's own trace counts. Mixtral-8x7B over v5p:2x4x4, expert=8 x fsdp=4: 0.986x the compiled bytes.
-        more, own_input = n_ep - 1, seq * r.d_model * s
+        # Dropless expert parallelism: each device's experts take a block from every device in the all-to-all,
+        # room for all the slots one device can route to them whatever the routing (jaxperf.parallel.expert:
+        # T x min(k, E/n) rows for T tokens of k slots), so the routed MLP's arrays hold n x T x min(k, E/n) rows
+        # where one device routing alone holds S = T x k. The extra rows are counted as XLA holds the recomputed
+        # arrays (elementwise values inside the backward's fusions), less the MLP's input, which the layer's own
+        # trace counts. Mixtral-8x7B over v5p:2x4x4, expert=8 x fsdp=4: 0.986x the compiled bytes.
+        k = r.experts_per_token
+        more, own_input = n_ep * min(k, r.n_experts // n_ep) / k - 1, seq * r.d_model * s
         saved_more = more * micro_rows * max(0.0, _moe_bytes_per_row(local, seq, r.remat) - own_input)
         saved_by[True] += saved_more
         recompute_by[True] += more * micro_rows * (_moe_bytes_per_row(local, seq, "none") - own_input) - saved_more
