@@ -14,9 +14,9 @@ the slots the sender can route to one device, whatever the routing: its S slots,
 slots each with k distinct experts (`slots_per_token`, as top-k routes), T x min(k, E/n), since a token sends at most
 one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device (the dense all-to-all the
 CPU runs; a ragged all-to-all would send only the rows routed, and XLA:CPU has none). Mixtral (8 experts, top-2) over
-expert=8: blocks of T rows, half of S. With a
-capacity C per expert (GShard) a block holds E/n x C rows, slot rank within its expert decides who is dropped (every
-token's first choice before any token's second), and a dropped slot's output is zero: the residual carries the token.
+expert=8: blocks of T rows, half of S. With a capacity C per expert (GShard) a block holds E/n x C rows, slot rank
+within its expert decides who is dropped (every token's first choice before any token's second), and a dropped
+slot's output is zero: the residual carries the token.
 
 Legend: S token slots (tokens x experts per token), D embed, n shards on the expert axis, R rows a device receives.
 """
