@@ -204,3 +204,5 @@ def test_the_start_up_line_counts_slots_per_expert_and_all_to_all_bytes():
     capped = dataclasses.replace(cfg, model=dataclasses.replace(MOE, capacity_factor=1.0))
     assert "capacity factor 1; all-to-all" in moe.describe(capped, {"data": 2, "expert": 4})
     assert "(32 rows per block)" in moe.describe(capped, {"data": 2, "expert": 4})  # 2 experts x C = 64 x 2 / 8
+    # one expert per device: a token sends at most one of its two slots to each, so a block is 64 tokens' 64 rows
+    assert "(64 rows per block)" in moe.describe(cfg, {"data": 1, "fsdp": 1, "expert": 8})

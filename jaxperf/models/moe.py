@@ -720,7 +720,8 @@ def describe(cfg, mesh_shape) -> str:
     """The start-up line of an MoE run (`cfg` a TrainConfig): experts per device, token slots per expert in a step
     (on average: dropless takes them all, a capacity at most its C per device's group), and with `expert` > 1 the
     bytes each device sends by all-to-all per step (dispatch and combine, forward and backward: 4 per MoE layer and
-    microbatch, the dense blocks of jaxperf.parallel.expert, less the block a device keeps)."""
+    microbatch, the dense blocks of jaxperf.parallel.expert, less the block a device keeps; dropless, a block holds
+    min(k, E / n) slots of each of a device's tokens)."""
     m = cfg.model.resolved()
     n = int(mesh_shape.get("expert", 1))
     layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
@@ -735,7 +736,7 @@ def describe(cfg, mesh_shape) -> str:
         groups = math.prod(int(mesh_shape.get(a, 1)) for a in ("data", "fsdp", "expert", "seq")) * cfg.microbatches
         local = tokens // groups  # a device's tokens in one microbatch
         rows = (m.n_experts // n * capacity(local, m.experts_per_token, m.n_experts, m.capacity_factor)
-                if m.capacity_factor else local * m.experts_per_token)
+                if m.capacity_factor else local * min(m.experts_per_token, m.n_experts // n))
         block = rows * (m.d_model * jnp.dtype(m.dtype).itemsize + 4)  # the rows and their expert ids
         sent = 4 * layers * cfg.microbatches * (n - 1) * block
         line += f"; all-to-all {sent / 2**20:.1f} MiB sent per device per step ({rows} rows per block)"
