@@ -46,7 +46,7 @@ def _eight_devices():
 
 # The files that prove the TPU and GPU paths by compiling on this host (libtpu, the Pallas GPU lowering): their slow
 # tests carry the marker `accelerator_proof` too, so one run can take them with the fast tests at the other end of the
-# supported jax range (.ci/run: -m "not slow or accelerator_proof").
+# supported jax range (.ci/run: -m "(not slow or accelerator_proof) and not extended").
 ACCELERATOR_PROOF_FILES = ("test_topology.py", "test_dispatch.py", "test_memory_tpu.py", "test_kernels_")
 
 
