@@ -736,7 +736,7 @@ def describe(cfg, mesh_shape) -> str:
         groups = math.prod(int(mesh_shape.get(a, 1)) for a in ("data", "fsdp", "expert", "seq")) * cfg.microbatches
         local = tokens // groups  # a device's tokens in one microbatch
         rows = (m.n_experts // n * capacity(local, m.experts_per_token, m.n_experts, m.capacity_factor)
-                if m.capacity_factor else local * min(m.experts_per_token, m.n_experts // n))
+                if m.capacity_factor else ep.dropless_block_rows(local, m.experts_per_token, m.n_experts // n))
         block = rows * (m.d_model * jnp.dtype(m.dtype).itemsize + 4)  # the rows and their expert ids
         sent = 4 * layers * cfg.microbatches * (n - 1) * block
         line += f"; all-to-all {sent / 2**20:.1f} MiB sent per device per step ({rows} rows per block)"

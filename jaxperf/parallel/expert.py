@@ -63,7 +63,7 @@ def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, ca
         rank_S = jnp.zeros(S, jnp.int32).at[order_S].set(jnp.arange(S, dtype=jnp.int32))  # place in expert order
         counts_N = jnp.bincount(dest_S, length=n_shards)
         row_S = rank_S - (jnp.cumsum(counts_N) - counts_N)[dest_S].astype(jnp.int32)
-        rows = S // slots_per_token * min(slots_per_token, experts_per_shard)
+        rows = dropless_block_rows(S // slots_per_token, slots_per_token, experts_per_shard)
         return SendPlan(dest_S, row_S, jnp.ones(S, bool), local_S, rows, experts_per_shard)
     if priority_S is None:
         rank_S = ranks_within_groups(experts_S, n_shards * experts_per_shard)
@@ -73,6 +73,12 @@ def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, ca
     keep_S = rank_S < capacity
     row_S = local_S * capacity + jnp.minimum(rank_S, capacity - 1)
     return SendPlan(dest_S, row_S, keep_S, local_S, experts_per_shard * capacity, experts_per_shard)
+
+
+def dropless_block_rows(tokens: int, slots_per_token: int, experts_per_shard: int) -> int:
+    """Rows of a dropless block: room for every slot `tokens` tokens can send to one device, each token's
+    `slots_per_token` slots going to distinct experts, at most one to each of the device's `experts_per_shard`."""
+    return tokens * min(slots_per_token, experts_per_shard)
 
 
 def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, jax.Array]:
