@@ -13,7 +13,8 @@ after fusion is one kernel that reads each of its operands from HBM once and wri
 an operand that is only sliced (dynamic-slice, slice, gather) costs the bytes of the slices, and a result written by
 an in-place dynamic-update-slice costs the bytes of the update, not of the whole buffer (a scan stacking one layer's
 residuals into an [n_layers, ...] array touches one layer's worth per step; XLA:GPU runs such fusions async, as
-fusion-start/fusion-done, charged the same way). Ops that move nothing are free
+fusion-start/fusion-done, charged the same way). An async slice (`slice-start`: the TPU compiler's prefetch of a
+piece of a buffer into VMEM) reads the piece, not the buffer. Ops that move nothing are free
 (parameter, constant, tuple, get-tuple-element, bitcast, the loop and call ops themselves, buffer allocations). A
 Pallas kernel is charged its operands and results once: a lower bound for kernels that re-read a block (flash
 attention reads K and V once per query block).
@@ -410,6 +411,14 @@ class _Walker:
             return 0.0  # an async wrapper (async-start): the computation it calls is walked and charged
         if op in _SLICERS:
             return 2 * ins.bytes
+        if op == "slice-start":
+            # an async slice, ((operand), destination, context): the TPU compiler's prefetch of one slice of a buffer
+            # into VMEM (S(1)). It reads the slice, not the operand, and writes HBM only where the destination is
+            arrays = _ARRAY.findall(ins.shape)
+            if len(arrays) < 2:
+                return 0.0
+            dest = "{}[{}]{}".format(*arrays[1])
+            return shape_bytes(dest) + shape_bytes(dest, hbm_only=True)
         if op == "dynamic-update-slice":
             return 2 * self._operand_bytes(comp, ins.operands[1])
         read = sum(self._operand_bytes(comp, o) for o in ins.operands)
