@@ -334,6 +334,25 @@ def test_tpu_kernels_vmem_does_not_grow_with_sequence_length():
     assert max(long.values()) < 2**20, long  # a few tiles of 128 x 128, far below the 16 MiB default scoped limit
 
 
+def test_tpu_kernels_keep_lse_and_delta_lane_dense_in_hbm():
+    """The per-row vectors the backward reads (lse, delta) are [B, H, 1, L] rows in HBM, not [B, H, L, 1] columns:
+    TPU's (8, 128) tiling pads a column's one value a row to 128 lanes, so at 2 x 4096 tokens and 32 heads each
+    would take 128 MiB for 1 MiB of values (three such buffers were live in a v6e Llama-2-7B step)."""
+    q = jax.ShapeDtypeStruct((2, 4096, 32, 128), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(flash_attention(q, k, v, causal=True, backend="tpu").astype(jnp.float32))  # noqa
+    calls = _pallas_calls(jax.grad(loss, (0, 1, 2)), q, q, q)
+    rows = {}
+    for name, _, blocks, _ in calls:
+        for bm in blocks:
+            shape = tuple(bm.array_aval.shape)
+            assert shape[-1] != 1, f"{name} takes a [.., L, 1] column {shape}"
+            if shape[-2] == 1:
+                rows.setdefault(name, []).append(shape)
+    # the forward writes lse; dq and dk/dv each read lse and delta
+    assert rows == {"flash_attention_fwd": [(2, 32, 1, 4096)], "flash_attention_dq": [(2, 32, 1, 4096)] * 2,
+                    "flash_attention_dkv": [(2, 32, 1, 4096)] * 2}, rows
+
+
 @pytest.mark.parametrize(
     "q_shape,k_shape,kw,match",
     [

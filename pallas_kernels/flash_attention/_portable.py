@@ -135,7 +135,7 @@ def fwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg):
         interpret=cfg.interpret,
         name="flash_attention_fwd",
     )(*args)
-    return out, lse
+    return out, lse[..., 0]
 
 
 def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
@@ -143,6 +143,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
     K, S_pad = k.shape[1], k.shape[2]
     G = H // K
     seg_args = [q_seg, kv_seg] if cfg.has_segments else []
+    lse, delta = lse[..., None], delta[..., None]  # [B, H, L_pad, 1] columns
 
     bq = cfg.blocks.block_q_dq
     row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i: (b, h, i, 0))

@@ -35,6 +35,22 @@ from . import _common as c
 _F32 = jnp.float32
 _FWD_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
 _DKV_SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary", "arbitrary")
+_LANES = 128
+
+
+# The per-row vectors (lse, delta) live in HBM as [B, H, 1, L_pad] rows, lane-dense: as [B, H, L_pad, 1] columns, the
+# TPU's (8, 128) tiling pads each row's one value to 128 lanes, and the two arrays take 128x their bytes (256 MiB at
+# 2 x 4096 tokens and 32 heads, where they hold 2 MiB). The kernels use them as [bq, 1] columns beside their [bq, bk]
+# tiles, so each block is turned round in VMEM: broadcast to 128 rows (lanes) and transposed (the XLU's square
+# transpose; bq is a multiple of 128 on TPU).
+def _as_row(col):
+    """[bq, 1] -> [1, bq]."""
+    return jnp.broadcast_to(col, (col.shape[0], _LANES)).T[:1]
+
+
+def _as_col(row):
+    """[1, bq] -> [bq, 1]."""
+    return jnp.broadcast_to(row, (_LANES, row.shape[1])).T[:, :1]
 
 
 def _fwd_kernel(*refs, cfg: c.Config):
@@ -57,7 +73,8 @@ def _fwd_kernel(*refs, cfg: c.Config):
 
     @pl.when(kj == pl.num_programs(3) - 1)
     def _finish():
-        o_ref[...], lse_ref[...] = c.softmax_finish(m_scratch[...], l_scratch[...], acc_scratch[...], o_ref.dtype)
+        o_ref[...], lse = c.softmax_finish(m_scratch[...], l_scratch[...], acc_scratch[...], o_ref.dtype)
+        lse_ref[...] = _as_row(lse)
 
 
 def _dq_kernel(*refs, cfg: c.Config):
@@ -76,7 +93,8 @@ def _dq_kernel(*refs, cfg: c.Config):
         q_seg = qs_ref[...] if qs_ref is not None else None
         kv_seg = ks_ref[...] if ks_ref is not None else None
         _, ds = c.probs_and_dscores(
-            cfg, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], qi * bq, kj * bk, q_seg, kv_seg
+            cfg, q_ref[...], k, v_ref[...], do_ref[...], _as_col(lse_ref[...]), _as_col(delta_ref[...]), qi * bq, kj * bk,
+            q_seg, kv_seg,
         )
         dq_scratch[...] += c.dot(ds.astype(k.dtype), k)
 
@@ -102,7 +120,8 @@ def _dkv_kernel(*refs, cfg: c.Config):
         q_seg = qs_ref[...] if qs_ref is not None else None
         kv_seg = ks_ref[...] if ks_ref is not None else None
         p, ds = c.probs_and_dscores(
-            cfg, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], qi * bq, kj * bk, q_seg, kv_seg
+            cfg, q, k_ref[...], v_ref[...], do, _as_col(lse_ref[...]), _as_col(delta_ref[...]), qi * bq, kj * bk, q_seg,
+            kv_seg,
         )
         dv_scratch[...] += c.dot_tn(p.astype(do.dtype), do)
         dk_scratch[...] += c.dot_tn(ds.astype(q.dtype), q)
@@ -137,7 +156,7 @@ def _call(cfg: c.Config, kernel, grid, in_specs, out_specs, out_shape, scratch_s
 
 def _walk_keys_specs(cfg: c.Config, G: int, Dh: int, bq: int, bk: int):
     """BlockSpecs on grid (b, h, i, j) of a kernel that walks key blocks j for query block i: [bq, Dh] query-side
-    tiles, [bk, Dh] key/value tiles, [bq, 1] row vectors, and the segment-id tiles (none without segments).
+    tiles, [bk, Dh] key/value tiles, [1, bq] per-row vectors, and the segment-id tiles (none without segments).
 
     The key-side index is clamped to the last key block the query block sees: the causally skipped steps keep the
     block already in VMEM, so the pipeline copies nothing for them."""
@@ -147,7 +166,7 @@ def _walk_keys_specs(cfg: c.Config, G: int, Dh: int, bq: int, bk: int):
 
     q_spec = pl.BlockSpec((None, None, bq, Dh), lambda b, h, i, j: (b, h, i, 0))
     kv_spec = pl.BlockSpec((None, None, bk, Dh), lambda b, h, i, j: (b, lax.div(h, G), kv_block(i, j), 0))
-    row_spec = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0))
+    row_spec = pl.BlockSpec((None, None, 1, bq), lambda b, h, i, j: (b, h, 0, i))
     seg_specs = [
         pl.BlockSpec((None, bq, 1), lambda b, h, i, j: (b, i, 0)),
         pl.BlockSpec((None, 1, bk), lambda b, h, i, j: (b, 0, kv_block(i, j))),
@@ -166,14 +185,14 @@ def fwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg):
         grid=(B, H, L_pad // bq, S_pad // bk),
         in_specs=[q_spec, kv_spec, kv_spec] + seg_specs,
         out_specs=[q_spec, row_spec],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, L_pad, 1), _F32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, H, 1, L_pad), _F32)],
         scratch_shapes=[pltpu.VMEM((bq, 1), _F32), pltpu.VMEM((bq, 1), _F32), pltpu.VMEM((bq, Dh), _F32)],
         semantics=_FWD_SEMANTICS,
         name="flash_attention_fwd",
     )
     seg_args = [q_seg, kv_seg] if cfg.has_segments else []
     out, lse = call(q, k, v, *seg_args)
-    return out, lse
+    return out, lse[:, :, 0]
 
 
 def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
@@ -181,6 +200,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
     K, S_pad = k.shape[1], k.shape[2]
     G = H // K
     seg_args = [q_seg, kv_seg] if cfg.has_segments else []
+    lse, delta = lse[:, :, None], delta[:, :, None]  # [B, H, 1, L_pad] rows
 
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     q_spec, kv_spec, row_spec, seg_specs = _walk_keys_specs(cfg, G, Dh, bq, bk)
@@ -205,7 +225,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         return jnp.minimum(jnp.maximum(i, lo), hi - 1)
 
     qg_spec = pl.BlockSpec((None, None, bq, Dh), lambda b, kh, j, g, i: (b, kh * G + g, q_block(j, i), 0))
-    rowg_spec = pl.BlockSpec((None, None, bq, 1), lambda b, kh, j, g, i: (b, kh * G + g, q_block(j, i), 0))
+    rowg_spec = pl.BlockSpec((None, None, 1, bq), lambda b, kh, j, g, i: (b, kh * G + g, 0, q_block(j, i)))
     kblk_spec = pl.BlockSpec((None, None, bk, Dh), lambda b, kh, j, g, i: (b, kh, j, 0))
     seg_specs = [
         pl.BlockSpec((None, bq, 1), lambda b, kh, j, g, i: (b, q_block(j, i), 0)),

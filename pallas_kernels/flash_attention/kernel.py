@@ -7,9 +7,10 @@ Two kernel sets share one contract and the per-tile maths (`_common`):
   VMEM holds one tile per operand whatever the sequence length. Used for backend "tpu" and under
   `interpret=pltpu.InterpretParams()`.
 
-Internally we work in [B, H, L, Dh]. Per-row vectors (lse, delta, query segment ids) carry a trailing unit dim,
-[.., L, 1], and key segment ids a leading one, [B, 1, S], so every block is rank 2 in the kernel and TPU's
-(8, 128)-or-full tiling rule holds.
+Internally we work in [B, H, L, Dh]. lse and delta pass between the kernel sets' calls as [B, H, L_pad]; in the
+kernels, per-row vectors are rank-2 blocks so that TPU's (8, 128)-or-full tiling rule holds: the portable kernels take
+[.., L, 1] columns, the TPU kernels lane-dense [B, H, 1, L] rows (a column pads each value to 128 lanes in HBM;
+`_tpu`). Query segment ids are [B, L, 1] and key segment ids [B, 1, S].
 
 Legend: B batch, L query length, S key length, H query heads, K kv heads, G = H // K query heads per kv head,
 Dh head dim; a `_pad` suffix is a length padded up to a block multiple.
@@ -35,8 +36,9 @@ _COMPILED_HEAD_DIMS = (64, 128, 256)
 
 def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
     """Shrink blocks to short sequences, check them, and return (blocks, q_len_pad, kv_len_pad)."""
-    # TPU slices key blocks along lanes (key segment ids), so keep them >= 128; elsewhere 16 is the floor.
-    q_floor, k_floor = (8, 128) if backend == "tpu" else (16, 16)
+    # TPU slices key blocks (key segment ids) and query blocks (the lse and delta rows) along lanes, so keeps them
+    # multiples of 128; elsewhere 16 is the floor.
+    q_floor, k_floor = (128, 128) if backend == "tpu" else (16, 16)
     q_cap = max(q_floor, _util.next_pow2(q_len))
     k_cap = max(k_floor, _util.next_pow2(kv_len))
     sizes = dataclasses.asdict(blocks)
@@ -47,11 +49,8 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
             raise ValueError(
                 f"BlockSizes.{name}={size} must be a power of two for the Triton lowering; use {_util.next_pow2(size)}"
             )
-        multiple = 128 if "_k" in name else 8
-        if backend == "tpu" and size % multiple:
-            raise ValueError(
-                f"BlockSizes.{name}={size} must be a multiple of {multiple} on TPU; use {_util.round_up(size, multiple)}"
-            )
+        if backend == "tpu" and size % 128:
+            raise ValueError(f"BlockSizes.{name}={size} must be a multiple of 128 on TPU; use {_util.round_up(size, 128)}")
     sizes = {n: min(s, q_cap if "_q" in n else k_cap) for n, s in sizes.items()}
     q_blocks = [sizes["block_q"], sizes["block_q_dq"], sizes["block_q_dkv"]]
     k_blocks = [sizes["block_k"], sizes["block_k_dq"], sizes["block_k_dkv"]]
@@ -97,7 +96,7 @@ def _forward(cfg: Config, q, k, v, segs: SegmentIds | None):
     qt, kt, vt, qs, ks = _to_kernel_layout(cfg, q, k, v, segs)
     out_pad, lse_pad = _kernels(cfg).fwd_call(cfg, qt, kt, vt, qs, ks)
     out = jnp.swapaxes(out_pad[:, :, : cfg.q_len], 1, 2)
-    lse = lse_pad[:, :, : cfg.q_len, 0]
+    lse = lse_pad[:, :, : cfg.q_len]
     return (out, lse), (qt, kt, vt, qs, ks, out_pad, lse_pad)
 
 
@@ -126,8 +125,8 @@ def _flash_bwd(cfg: Config, residuals, cotangents):
     pad = ((0, 0), (0, 0), (0, cfg.q_len_pad - cfg.q_len), (0, 0))
     do = jnp.pad(jnp.swapaxes(d_out, 1, 2), pad).astype(qt.dtype)
     # d lse / d s = p, so a cotangent on lse just shifts delta: ds = p * (dp - (delta - d_lse)).
-    delta = jnp.sum(out_pad.astype(jnp.float32) * do.astype(jnp.float32), axis=-1, keepdims=True)
-    delta = delta - jnp.pad(d_lse.astype(jnp.float32)[..., None], pad)
+    delta = jnp.sum(out_pad.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+    delta = delta - jnp.pad(d_lse.astype(jnp.float32), pad[:3])
     dq, dk, dv = _kernels(cfg).bwd_call(cfg, qt, kt, vt, qs, ks, do, lse_pad, delta)
     dq = jnp.swapaxes(dq[:, :, : cfg.q_len], 1, 2)
     dk = jnp.swapaxes(dk[:, :, : cfg.kv_len], 1, 2)
