@@ -345,28 +345,36 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
     The outer loop walks the vocabulary blocks; the inner scan walks the row chunks, recomputing each [chunk, block]
     logits tile once, and sums that block's dw in fp32 before storing it in w's dtype. So the fp32 accumulator is
     [D, block], not [D, V] (2 GB for Llama-3's 128256 x 4096), and each element of dw is summed over the same row
-    chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in fp32. With w a
-    shard of rows (`cfg.w_axes`), each block is gathered on its way in and its dw reduce-scattered on its way out.
+    chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in one fp32 [N, D]
+    accumulator whose chunks are updated in place. With w a shard of rows (`cfg.w_axes`), each block is gathered on
+    its way in and its dw reduce-scattered on its way out.
     """
     D, V = cfg.dim_pad, cfg.vocab_pad
     block = cfg.block_v
     xs = tuple(_chunks(cfg, x) for x in (h, t, lse, coef, scale))
+
+    chunk = cfg.block_n
 
     def vocab_block(j, carry):
         dh, dw = carry
         col0 = j * block
         w_blk = _w_block(cfg, w, col0, block)
 
-        def step(dw_blk, args):
+        def step(acc, args):
+            # dh is carried and each chunk's rows updated in place: a stacked [chunks, chunk, D] output added to dh
+            # after the scan would be a second fp32 [N, D] buffer live beside it
+            dw_blk, dh, c = acc
             h_c, t_c, lse_c, coef_c, scale_c = args
             logits = _dot(h_c, w_blk)
             cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + col0
             dlogits = scale_c * jnp.exp(logits - lse_c) - jnp.where(cols == t_c, coef_c, 0.0)
-            return dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), _dot_nt(dlogits.astype(w.dtype), w_blk)
+            dh_c = lax.dynamic_slice_in_dim(dh, c * chunk, chunk) + _dot_nt(dlogits.astype(w.dtype), w_blk)
+            dh = lax.dynamic_update_slice_in_dim(dh, dh_c, c * chunk, axis=0)
+            return (dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), dh, c + 1), None
 
-        dw_blk, dh_blk = lax.scan(step, jnp.zeros((D, block), _F32), xs)
+        (dw_blk, dh, _), _ = lax.scan(step, (jnp.zeros((D, block), _F32), dh, jnp.int32(0)), xs)
         dw = lax.dynamic_update_slice_in_dim(dw, _dw_shard(cfg, dw_blk.astype(w.dtype)), col0, axis=1)
-        return dh + dh_blk.reshape(h.shape), dw
+        return dh, dw
 
     return lax.fori_loop(0, V // block, vocab_block, (jnp.zeros(h.shape, _F32), jnp.zeros(w.shape, w.dtype)))
 
