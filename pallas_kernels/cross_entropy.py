@@ -351,9 +351,8 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
     """
     D, V = cfg.dim_pad, cfg.vocab_pad
     block = cfg.block_v
-    xs = tuple(_chunks(cfg, x) for x in (h, t, lse, coef, scale))
-
     chunk = cfg.block_n
+    xs = (jnp.arange(cfg.rows_pad // chunk), *(_chunks(cfg, x) for x in (h, t, lse, coef, scale)))
 
     def vocab_block(j, carry):
         dh, dw = carry
@@ -363,16 +362,16 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
         def step(acc, args):
             # dh is carried and each chunk's rows updated in place: a stacked [chunks, chunk, D] output added to dh
             # after the scan would be a second fp32 [N, D] buffer live beside it
-            dw_blk, dh, c = acc
-            h_c, t_c, lse_c, coef_c, scale_c = args
+            dw_blk, dh = acc
+            c, h_c, t_c, lse_c, coef_c, scale_c = args
             logits = _dot(h_c, w_blk)
             cols = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + col0
             dlogits = scale_c * jnp.exp(logits - lse_c) - jnp.where(cols == t_c, coef_c, 0.0)
             dh_c = lax.dynamic_slice_in_dim(dh, c * chunk, chunk) + _dot_nt(dlogits.astype(w.dtype), w_blk)
             dh = lax.dynamic_update_slice_in_dim(dh, dh_c, c * chunk, axis=0)
-            return (dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), dh, c + 1), None
+            return (dw_blk + _dot_tn(h_c, dlogits.astype(h.dtype)), dh), None
 
-        (dw_blk, dh, _), _ = lax.scan(step, (jnp.zeros((D, block), _F32), dh, jnp.int32(0)), xs)
+        (dw_blk, dh), _ = lax.scan(step, (jnp.zeros((D, block), _F32), dh), xs)
         dw = lax.dynamic_update_slice_in_dim(dw, _dw_shard(cfg, dw_blk.astype(w.dtype)), col0, axis=1)
         return dh, dw
 

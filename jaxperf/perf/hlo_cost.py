@@ -414,10 +414,10 @@ class _Walker:
         if op == "slice-start":
             # an async slice, ((operand), destination, context): the TPU compiler's prefetch of one slice of a buffer
             # into VMEM (S(1)). It reads the slice, not the operand, and writes HBM only where the destination is
-            arrays = _ARRAY.findall(ins.shape)
+            arrays = list(_ARRAY.finditer(ins.shape))
             if len(arrays) < 2:
                 return 0.0
-            dest = "{}[{}]{}".format(*arrays[1])
+            dest = arrays[1].group(0)
             return shape_bytes(dest) + shape_bytes(dest, hbm_only=True)
         if op == "dynamic-update-slice":
             return 2 * self._operand_bytes(comp, ins.operands[1])

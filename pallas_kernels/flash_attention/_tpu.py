@@ -42,7 +42,8 @@ _LANES = 128
 # TPU's (8, 128) tiling pads each row's one value to 128 lanes, and the two arrays take 128x their bytes (256 MiB at
 # 2 x 4096 tokens and 32 heads, where they hold 2 MiB). The kernels use them as [bq, 1] columns beside their [bq, bk]
 # tiles, so each block is turned round in VMEM: broadcast to 128 rows (lanes) and transposed (the XLU's square
-# transpose; bq is a multiple of 128 on TPU).
+# transpose; bq is a multiple of 128 on TPU). dq does it once per query block, dk/dv (whose query block changes every
+# step) at each step.
 def _as_row(col):
     """[bq, 1] -> [1, bq]."""
     return jnp.broadcast_to(col, (col.shape[0], _LANES)).T[:1]
@@ -79,13 +80,15 @@ def _fwd_kernel(*refs, cfg: c.Config):
 
 def _dq_kernel(*refs, cfg: c.Config):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, rest = c.split_refs(refs, 6, cfg.has_segments)
-    dq_ref, dq_scratch = rest
+    dq_ref, dq_scratch, lse_scratch, delta_scratch = rest
     bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
     qi, kj = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kj == 0)
     def _init():
         dq_scratch[...] = jnp.zeros(dq_scratch.shape, _F32)
+        # the query block's rows stay put while the key blocks go by: turned into columns once
+        lse_scratch[...], delta_scratch[...] = _as_col(lse_ref[...]), _as_col(delta_ref[...])
 
     @pl.when(kj < c.num_kv_blocks(cfg, qi, bq, bk))
     def _step():
@@ -93,8 +96,8 @@ def _dq_kernel(*refs, cfg: c.Config):
         q_seg = qs_ref[...] if qs_ref is not None else None
         kv_seg = ks_ref[...] if ks_ref is not None else None
         _, ds = c.probs_and_dscores(
-            cfg, q_ref[...], k, v_ref[...], do_ref[...], _as_col(lse_ref[...]), _as_col(delta_ref[...]), qi * bq, kj * bk,
-            q_seg, kv_seg,
+            cfg, q_ref[...], k, v_ref[...], do_ref[...], lse_scratch[...], delta_scratch[...], qi * bq, kj * bk, q_seg,
+            kv_seg,
         )
         dq_scratch[...] += c.dot(ds.astype(k.dtype), k)
 
@@ -211,7 +214,7 @@ def bwd_call(cfg: c.Config, q, k, v, q_seg, kv_seg, do, lse, delta):
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec] + seg_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        scratch_shapes=[pltpu.VMEM((bq, Dh), _F32)],
+        scratch_shapes=[pltpu.VMEM((bq, Dh), _F32), pltpu.VMEM((bq, 1), _F32), pltpu.VMEM((bq, 1), _F32)],
         semantics=_FWD_SEMANTICS,
         name="flash_attention_dq",
     )(q, k, v, do, lse, delta, *seg_args)

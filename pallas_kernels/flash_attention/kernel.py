@@ -38,9 +38,9 @@ def _fit_blocks(blocks: BlockSizes, q_len: int, kv_len: int, backend: str):
     """Shrink blocks to short sequences, check them, and return (blocks, q_len_pad, kv_len_pad)."""
     # TPU slices key blocks (key segment ids) and query blocks (the lse and delta rows) along lanes, so keeps them
     # multiples of 128; elsewhere 16 is the floor.
-    q_floor, k_floor = (128, 128) if backend == "tpu" else (16, 16)
-    q_cap = max(q_floor, _util.next_pow2(q_len))
-    k_cap = max(k_floor, _util.next_pow2(kv_len))
+    floor = 128 if backend == "tpu" else 16
+    q_cap = max(floor, _util.next_pow2(q_len))
+    k_cap = max(floor, _util.next_pow2(kv_len))
     sizes = dataclasses.asdict(blocks)
     for name, size in sizes.items():
         if not isinstance(size, int) or size <= 0:
