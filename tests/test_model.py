@@ -315,6 +315,35 @@ def test_rope_bf16_rotates_in_fp32():
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
 
 
+def test_rope_backward_is_the_opposite_rotation_in_one_pass():
+    """dx equals autodiff of the plain rotation, and the backward never pads half-width cotangents back to full
+    width (autodiff of the halving does: two half-width copies of dq and dk live beside their sum on TPU)."""
+
+    def plain(x, pos):
+        half = x.shape[-1] // 2
+        freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+        angle = (pos.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
+        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+        out = jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)],
+                              -1)
+        return out.astype(x.dtype)
+
+    x = jax.random.normal(jax.random.key(0), (2, 5, 3, 8)).astype(jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), x.shape).astype(jnp.bfloat16)
+    pos = jnp.array([[0, 1, 2, 3, 4], [7, 9, 11, 13, 15]], jnp.int32)
+
+    def loss(f):
+        return lambda x: jnp.sum((f(x, pos) * w).astype(jnp.float32))
+
+    got = jax.grad(loss(lambda x, p: rope(x, p, 10000.0)))(x)
+    want = jax.grad(loss(plain))(x)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    prims = {e.primitive.name for e in jax.make_jaxpr(jax.grad(loss(lambda x, p: rope(x, p, 10000.0))))(x).eqns}
+    assert "pad" in {e.primitive.name for e in jax.make_jaxpr(jax.grad(loss(plain)))(x).eqns}
+    assert "pad" not in prims, prims
+
+
 def test_causality():
     """Changing a later token never changes an earlier position's logits."""
     model = GPT(SMALL, rngs=nnx.Rngs(0))
