@@ -10,10 +10,14 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The TPU tests only compile: let each pytest-xdist worker (and each `jaxperf compile` subprocess, which inherits this)
 # load libtpu, instead of the second one failing on libtpu's lock file (/tmp/libtpu_lockfile).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# No persistent compilation cache (JAX's, and the trainer's default, which follows it): each test process compiles
-# its own programs, and nothing the tests compile lands in, or is read from, the user's cache or another worker's.
-# A test of the cache names a directory of its own.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = ""
+# The persistent compilation cache (JAX's, and the trainer's default, which follows it) is off: nothing the tests
+# compile lands in, or is read from, the user's cache. JAXPERF_TEST_XLA_CACHE names a directory of the test run's own
+# instead (.ci/run: a fresh one per phase), shared by the workers and the `jaxperf` subprocesses they start, so a
+# program that many tests compile alike (the tiny models' steps) compiles once a run; programs that compile in under
+# half a second are not stored. A test of the cache names a directory of its own.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ.get("JAXPERF_TEST_XLA_CACHE", "")
+if os.environ["JAX_COMPILATION_CACHE_DIR"]:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # XLA:CPU (jaxlib 0.10) runs the devices' parts of programs and the per-device launches of multi-device programs on
 # one pool of max(cores, devices) threads: 8 on a 2-core host. A launch waiting for its device's in-flight limit holds
 # a thread, as does each device waiting in a collective for the others; once they hold all 8, the work that would free

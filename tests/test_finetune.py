@@ -34,7 +34,7 @@ STORY = ("Once upon a time there was a little robot who liked to count the stars
          "behind the house, sat on a flat stone and counted, one, two, three, until the sun came up again. ") * 30
 SPECIALS = ("<s>", "</s>", "<pad>")  # ids 0, 1, 2 of the tokenizer
 RUN = ["data.source=story.txt", "seq_len=16", "batch_size=8", "log_every=1", "eval_every=0", "checkpoint_every=0",
-       "sample_tokens=0", "tensorboard=false", "compile_cache_dir=", "data.cache_dir=cache", "optim.schedule=constant",
+       "sample_tokens=0", "tensorboard=false", "data.cache_dir=cache", "optim.schedule=constant",
        "lr=3e-3", "strategy=fsdp"]
 
 
@@ -229,8 +229,7 @@ def test_init_from_a_run_takes_its_weights_tokenizer_and_record(tmp_path):
     _write_fake_llama(src)
     (tmp_path / "story.txt").write_text(STORY)
     common = [f"data.source={tmp_path}/story.txt", f"data.cache_dir={tmp_path}/cache", "seq_len=16", "batch_size=8",
-              "eval_every=0", "eval_batches=0", "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
-              "compile_cache_dir="]
+              "eval_every=0", "eval_batches=0", "checkpoint_every=0", "sample_tokens=0", "tensorboard=false"]
     first = Trainer(get_config("tiny", [*common, "max_steps=2", f"run_dir={tmp_path}/first"]), init_from=str(src))
     trained = first.fit()["state"].params
     second = Trainer(get_config("tiny", [*common, f"run_dir={tmp_path}/second", f"init_from={tmp_path}/first"]))
@@ -253,7 +252,7 @@ def test_init_from_a_run_keeps_the_bpe_it_trained(tmp_path):
     (tmp_path / "other.txt").write_text("A different text, with different words in it. " * 50)
     small = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "seq_len=16",
              "batch_size=8", "max_steps=1", "eval_every=0", "eval_batches=0", "checkpoint_every=0", "sample_tokens=0",
-             "tensorboard=false", "compile_cache_dir=", f"data.cache_dir={tmp_path}/cache"]
+             "tensorboard=false", f"data.cache_dir={tmp_path}/cache"]
     first = Trainer(get_config("tiny", [*small, "data.tokenizer=bpe", "model.vocab_size=300",
                                         f"data.source={tmp_path}/story.txt", f"run_dir={tmp_path}/first"]))
     first.fit()
@@ -273,7 +272,7 @@ def _small_run(tmp_path: Path, *extra: str):
     return get_config("tiny", [
         "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "seq_len=16",
         "batch_size=8", "max_steps=2", "eval_every=0", "eval_batches=0", "sample_tokens=0", "tensorboard=false",
-        "compile_cache_dir=", f"data.source={tmp_path}/story.txt", f"data.cache_dir={tmp_path}/cache", *extra])
+        f"data.source={tmp_path}/story.txt", f"data.cache_dir={tmp_path}/cache", *extra])
 
 
 def _flip_params(step_dir: Path) -> None:

@@ -296,7 +296,7 @@ class _FixedBatches:
 def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path, single_device):
     common = ["strategy=dp", "data=8", "fsdp=1", f"batch_size={BATCH}", f"max_steps={STEPS}", "lr=1e-3",
               "warmup_steps=0", "decay_steps=10", "eps=1e-3", "eval_every=0", "eval_batches=0", "checkpoint_every=0",
-              "sample_tokens=0", "tensorboard=false", "log_every=1", "compile_cache_dir=", f"run_dir={tmp_path}"]
+              "sample_tokens=0", "tensorboard=false", "log_every=1", f"run_dir={tmp_path}"]
     make = lambda rngs: GPT(MODEL, rngs=rngs)  # noqa: E731
     trainer = Trainer(get_config("tiny", ["flavour=pmap", *common]), make_model=make, train_data=_FixedBatches())
     summary = trainer.fit()

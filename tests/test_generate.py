@@ -227,7 +227,7 @@ def test_cli_generates_from_a_trained_checkpoint(tmp_path, capsys):
 
     cfg = get_config("tiny", [
         "d_model=32", "n_layers=1", "n_heads=2", "max_seq_len=32", "batch_size=8", "max_steps=2", "eval_every=0",
-        "eval_batches=0", "checkpoint_every=0", "sample_tokens=0", "tensorboard=false", "compile_cache_dir=",
+        "eval_batches=0", "checkpoint_every=0", "sample_tokens=0", "tensorboard=false",
         f"run_dir={tmp_path}", "parallel.fsdp=8",
     ])
     Trainer(cfg, train_data=Repeating(), tokenizer=ByteTokenizer()).fit()

@@ -149,7 +149,7 @@ def test_cli_quantize_reports_bytes_and_perplexity_of_a_trained_run(tmp_path, ca
 
     cfg = get_config("tiny", [
         "n_layers=2", "max_seq_len=64", "batch_size=8", "max_steps=30", "eval_every=0", "eval_batches=0",
-        "checkpoint_every=0", "sample_tokens=0", "tensorboard=false", "compile_cache_dir=", "data.max_bytes=300000",
+        "checkpoint_every=0", "sample_tokens=0", "tensorboard=false", "data.max_bytes=300000",
         f"run_dir={tmp_path / 'run'}",
     ])
     Trainer(cfg).fit()

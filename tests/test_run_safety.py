@@ -38,7 +38,7 @@ from jaxperf.train.hooks import MetricsWriteError
 from jaxperf.train.rundir import LOCK_NAME
 from jaxperf.train.trainer import Trainer
 
-RUN = [*SMALL_RUN, "optim.decay_steps=50", "compile_cache_dir="]
+RUN = [*SMALL_RUN, "optim.decay_steps=50"]
 
 
 def _train(tmp_path, *args, timeout=240, **env):
