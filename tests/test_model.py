@@ -301,33 +301,29 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(float(score(5, 2)) - float(score(5, 4))) > 1e-4
 
 
+def _plain_rope(x, pos, theta=10000.0):
+    """RoPE written out: the whole vector cast to fp32, rotated by autodiff-able ops, rounded once."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = (pos.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1)
+    return out.astype(x.dtype)
+
+
 def test_rope_bf16_rotates_in_fp32():
     """bf16 q/k are rotated in fp32 and rounded once: the same values as casting the whole vector first."""
     x = jax.random.normal(jax.random.key(0), (2, 3, 2, 8)).astype(jnp.bfloat16)
     pos = jnp.arange(3, dtype=jnp.int32)[None].repeat(2, 0)
-    freq = 10000.0 ** (-jnp.arange(4, dtype=jnp.float32) / 4)
-    angle = (pos.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
-    x32 = x.astype(jnp.float32)
-    x1, x2 = x32[..., :4], x32[..., 4:]
-    want = jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)], -1)
     got = rope(x, pos, 10000.0)
     assert got.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(_plain_rope(x, pos), np.float32))
 
 
 def test_rope_backward_is_the_opposite_rotation_in_one_pass():
     """dx equals autodiff of the plain rotation, and the backward never pads half-width cotangents back to full
-    width (autodiff of the halving does: two half-width copies of dq and dk live beside their sum on TPU)."""
-
-    def plain(x, pos):
-        half = x.shape[-1] // 2
-        freq = 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
-        angle = (pos.astype(jnp.float32)[..., None] * freq[None, None, :])[:, :, None, :]
-        x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-        out = jnp.concatenate([x1 * jnp.cos(angle) - x2 * jnp.sin(angle), x2 * jnp.cos(angle) + x1 * jnp.sin(angle)],
-                              -1)
-        return out.astype(x.dtype)
-
+    width (autodiff of the halving does, then sums the two)."""
     x = jax.random.normal(jax.random.key(0), (2, 5, 3, 8)).astype(jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), x.shape).astype(jnp.bfloat16)
     pos = jnp.array([[0, 1, 2, 3, 4], [7, 9, 11, 13, 15]], jnp.int32)
@@ -335,12 +331,12 @@ def test_rope_backward_is_the_opposite_rotation_in_one_pass():
     def loss(f):
         return lambda x: jnp.sum((f(x, pos) * w).astype(jnp.float32))
 
-    got = jax.grad(loss(lambda x, p: rope(x, p, 10000.0)))(x)
-    want = jax.grad(loss(plain))(x)
+    ours = loss(lambda x, p: rope(x, p, 10000.0))
+    got, want = jax.grad(ours)(x), jax.grad(loss(_plain_rope))(x)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    prims = {e.primitive.name for e in jax.make_jaxpr(jax.grad(loss(lambda x, p: rope(x, p, 10000.0))))(x).eqns}
-    assert "pad" in {e.primitive.name for e in jax.make_jaxpr(jax.grad(loss(plain)))(x).eqns}
+    prims = {e.primitive.name for e in jax.make_jaxpr(jax.grad(ours))(x).eqns}
+    assert "pad" in {e.primitive.name for e in jax.make_jaxpr(jax.grad(loss(_plain_rope)))(x).eqns}
     assert "pad" not in prims, prims
 
 
