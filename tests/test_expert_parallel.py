@@ -153,6 +153,21 @@ def test_the_expert_parallel_step_equals_one_device(name, one_device):
             assert leaf.addressable_shards[0].data.shape == EXPERT_SHARDS[name][key], (name, path)
 
 
+def test_qwen2_moe_layers_split_over_experts_as_on_one_device():
+    """Qwen2-MoE's block (q/k/v biases alone, top-k weights kept as the softmax scored them, one shared expert of its
+    own width scaled by a sigmoid gate): a step over expert=4 x data=2 equals one device's."""
+    qwen = dataclasses.replace(MOE, style="llama", use_bias=False, qkv_bias=True, n_shared_experts=1,
+                               shared_mlp_dim=96, shared_expert_gate=True, router_norm_topk=False)
+    ref_state, ref = _train(qwen, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1], n_steps=1)
+    state, got = _train(qwen, *EP_MESHES["expert4_data2"], n_steps=1)
+    for k in ref[0]:
+        np.testing.assert_allclose(got[0][k], ref[0][k], rtol=2e-5, atol=1e-7, err_msg=k)
+    want = flat(ref_state.params)
+    assert any(p.endswith("shared_gate_Dx1") for p in want) and any(p.endswith("bias_q_HxDh") for p in want)
+    for path, leaf in flat(state.params).items():
+        np.testing.assert_allclose(leaf, want[path], rtol=1e-5, atol=2e-6, err_msg=path)
+
+
 def test_without_an_expert_axis_each_device_sorts_only_its_own_token_slots():
     """Under jit alone the sort by expert would gather every slot of the batch onto every device (each then running
     the experts on all of them); routed per device, the compiled step's sorts see 1/8 of the slots."""

@@ -20,8 +20,8 @@ from jaxperf.config import ModelConfig, ParallelConfig, get_config, validate_mod
 from jaxperf.data import HFTokenizer, special_token_ids
 from jaxperf.generate import Generator
 from jaxperf.interop import (
-    RUNTIME_FIELDS, HFCheckpointError, export_hf, hf_model_config, import_hf, load_hf_model, load_hf_params,
-    read_generation_config,
+    RUNTIME_FIELDS, HFCheckpointError, default_arch, export_hf, hf_model_config, import_hf, load_hf_model,
+    load_hf_params, read_generation_config,
 )
 from jaxperf.interop._safetensors import Checkpoint, write_shards
 from jaxperf.models import GPT
@@ -265,12 +265,13 @@ def test_mixtral_roundtrip(tmp_path):
         np.testing.assert_array_equal(value, source[name], err_msg=name)
 
 
-def test_mixtral_fused_layout_imports_to_the_same_logits(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_fused_expert_layout_imports_to_the_same_logits(tmp_path, arch):
     """transformers 5's own modules hold the experts fused (mlp.experts.gate_up_proj [E, 2F, D], gate rows first;
     mlp.experts.down_proj [E, D, F]; router mlp.gate): a directory written in that layout imports to the logits of
     the hub layout."""
     torch, transformers = _hf()
-    hf_model = _mixtral(torch, transformers, tie_word_embeddings=True)
+    hf_model = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}[arch](torch, transformers, tie_word_embeddings=True)
     hf_model.save_pretrained(tmp_path / "hub")
     fused = {k: v.detach().numpy().copy() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     assert fused["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 48, 32)
@@ -306,12 +307,14 @@ def test_mixtral_experts_split_over_a_mesh(tmp_path):
         np.testing.assert_array_equal(value, source[name], err_msg=name)
 
 
-def test_mixtral_generates_as_transformers(tmp_path):
-    """The KV-cache forward of an imported Mixtral: jaxperf's greedy tokens are transformers'."""
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_moe_generates_as_transformers(tmp_path, arch):
+    """The KV-cache forward of an imported Mixtral or Qwen2-MoE: jaxperf's greedy tokens are transformers'."""
     torch, transformers = _hf()
     tok = hf_tokenizer(tmp_path, TEXT)
-    hf_model = _mixtral(torch, transformers, vocab_size=tok.get_vocab_size(), max_position_embeddings=64,
-                        bos_token_id=None, eos_token_id=None)
+    hf_model = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe}[arch](
+        torch, transformers, vocab_size=tok.get_vocab_size(), max_position_embeddings=64, bos_token_id=None,
+        eos_token_id=None)
     hf_model.save_pretrained(tmp_path)
     prompt = tok.encode("Once upon a time").ids
     ours = Generator(load_hf_model(str(tmp_path)), HFTokenizer.from_file(tmp_path)).generate(
@@ -371,6 +374,130 @@ def test_mixtral_export_errors(tmp_path):
     shared = dataclasses.replace(moe, n_shared_experts=1)
     with pytest.raises(HFCheckpointError, match=r"model.n_shared_experts=1 as MixtralForCausalLM"):
         export_hf(shared, GPT(shared, rngs=nnx.Rngs(0)), str(tmp_path), arch="mixtral")
+    assert not os.path.exists(tmp_path / "config.json")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Qwen2 (biases on q, k and v alone) and Qwen2-MoE (Qwen2's attention; routed experts whose top-k weights are kept as
+# the softmax scored them unless norm_topk_prob; one shared expert of its own width, scaled per token by a sigmoid
+# gate)
+
+
+def _qwen2(torch, transformers, **kw):
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, rope_theta=500.0, rms_norm_eps=1e-5,
+               bos_token_id=0, eos_token_id=0)
+    cfg.update(kw)
+    return _randomize(torch, transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg)))
+
+
+def _qwen2_moe(torch, transformers, **kw):
+    cfg = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+               shared_expert_intermediate_size=40, max_position_embeddings=32, rope_theta=500.0, rms_norm_eps=1e-5,
+               router_aux_loss_coef=0.02, bos_token_id=0, eos_token_id=0)
+    cfg.update(kw)
+    return _randomize(torch, transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**cfg)))
+
+
+def test_qwen2_roundtrip(tmp_path):
+    """Qwen2 (tied head, as its small releases): the logits both ways, the same tensors back; jaxperf holds the q/k/v
+    biases and no other."""
+    torch, transformers = _hf()
+    cfg = _roundtrip(torch, transformers, _qwen2(torch, transformers, tie_word_embeddings=True), tmp_path)
+    assert (cfg.qkv_bias, cfg.use_bias, cfg.tie_embeddings) == (True, False, True)
+    _, params = import_hf(str(tmp_path / "src"))
+    assert set(params["blocks"]["attn"]) == {"wq_DxHxDh", "wk_DxKxDh", "wv_DxKxDh", "wo_HxDhxD", "bias_q_HxDh",
+                                             "bias_k_KxDh", "bias_v_KxDh"}
+    assert set(params["blocks"]["mlp"]) == {"w_in_DxF", "w_gate_DxF", "w_out_FxD"}
+
+
+@pytest.mark.parametrize("norm_topk", [False, True])
+def test_qwen2_moe_roundtrip(tmp_path, norm_topk):
+    """transformers' Qwen2-MoE (experts in the hub layout, sharded) -> jaxperf (scanned and looped layers): the same
+    logits, with the top-k weights renormalised or not; -> export -> transformers: the same logits and, bit for bit,
+    the same tensors under the same names."""
+    torch, transformers = _hf()
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    hf_model = _qwen2_moe(torch, transformers, norm_topk_prob=norm_topk)
+    hf_model.save_pretrained(src, max_shard_size="20KB")
+    source = _hub_tensors(src)
+    assert {"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.shared_expert_gate.weight",
+            "model.layers.0.self_attn.q_proj.bias"} <= set(source)
+    tokens = _tokens()
+    ref = _hf_logits(torch, hf_model, tokens)
+    for scan in (True, False):
+        np.testing.assert_allclose(_jaxperf_logits(src, tokens, scan_layers=scan), ref, atol=1e-5, rtol=1e-5)
+    cfg, params = import_hf(str(src))
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.moe_mlp_dim, cfg.n_shared_experts, cfg.shared_mlp_dim,
+            cfg.shared_expert_gate, cfg.router_norm_topk) == (4, 2, 24, 1, 40, True, norm_topk)
+    assert (cfg.qkv_bias, cfg.use_bias, cfg.router_aux_loss_coef, cfg.router_z_loss_coef) == (True, False, 0.02, 0.0)
+    assert params["blocks"]["mlp"]["shared_gate_Dx1"].shape == (2, 32, 1)
+    export_hf(cfg, params, str(dst))  # an MoE model with shared experts exports as Qwen2-MoE without naming the arch
+    written = json.loads((dst / "config.json").read_text())
+    assert (written["architectures"], written["norm_topk_prob"], written["shared_expert_intermediate_size"]) == (
+        ["Qwen2MoeForCausalLM"], norm_topk, 40)
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(back) is type(hf_model)
+    np.testing.assert_allclose(_hf_logits(torch, back, tokens), ref, atol=1e-5, rtol=1e-5)
+    out = _hub_tensors(dst)
+    assert set(out) == set(source)
+    for name, value in out.items():
+        np.testing.assert_array_equal(value, source[name], err_msg=name)
+
+
+_QWEN2_MOE_JSON = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": V,
+                   "hidden_size": 16, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                   "shared_expert_intermediate_size": 12, "max_position_embeddings": 32, "hidden_act": "silu",
+                   "use_sliding_window": False, "sliding_window": 16, "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"use_sliding_window": True}, r"config.json sliding_window=16 is not supported: with use_sliding_window=true "
+                                   r"the window must be null or at least max_position_embeddings=32"),
+    ({"decoder_sparse_step": 2}, r"decoder_sparse_step=2 is not supported: .*every layer's MLP routed"),
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\] is not supported"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok=5 is not supported: .*1 to num_experts=4"),
+    ({"shared_expert_intermediate_size": 0}, r"shared_expert_intermediate_size=0 is not supported"),
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True},
+     r"config.json sliding_window=16 is not supported"),
+])
+def test_qwen2_refusals(tmp_path, config, match):
+    """Settings jaxperf's Qwen2 and Qwen2-MoE cannot reproduce are refused from config.json, in one line, before any
+    tensor is read; a window turned off (or as long as the context) is no window."""
+    os.makedirs(tmp_path, exist_ok=True)
+    for ok in ({}, {"use_sliding_window": True, "sliding_window": 32}):
+        (tmp_path / "config.json").write_text(json.dumps({**_QWEN2_MOE_JSON, **ok}))
+        assert hf_model_config(str(tmp_path)).shared_mlp_dim == 12
+    (tmp_path / "config.json").write_text(json.dumps({**_QWEN2_MOE_JSON, **config}))
+    with pytest.raises(HFCheckpointError, match=match) as err:
+        hf_model_config(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_qwen2_export_errors_and_the_default_arch(tmp_path):
+    """Each architecture exports only the models it holds exactly, and says which one to name instead."""
+    base = ModelConfig(style="llama", vocab_size=V, d_model=D, n_layers=1, n_heads=H, max_seq_len=32)
+    qwen2 = dataclasses.replace(base, use_bias=False, qkv_bias=True)
+    qwen_moe = dataclasses.replace(qwen2, n_experts=4, n_shared_experts=1, shared_mlp_dim=12,
+                                   shared_expert_gate=True, router_norm_topk=False)
+    assert [default_arch(c) for c in (base, qwen2, qwen_moe, dataclasses.replace(base, n_experts=4))] == [
+        "llama", "qwen2", "qwen2_moe", "mixtral"]
+    refused = [
+        (qwen2, "llama", r"model.qkv_bias=True as LlamaForCausalLM, which needs qkv_bias=False"),
+        (base, "qwen2", r"model.qkv_bias=False as Qwen2ForCausalLM, which needs qkv_bias=True"),
+        (dataclasses.replace(qwen_moe, n_shared_experts=0, shared_mlp_dim=None, shared_expert_gate=False),
+         "qwen2_moe", r"model.n_shared_experts=0 as Qwen2MoeForCausalLM.*export it as 'mixtral'"),
+        (dataclasses.replace(qwen_moe, shared_expert_gate=False), "qwen2_moe",
+         r"model.shared_expert_gate=False as Qwen2MoeForCausalLM, which needs shared_expert_gate=True"),
+        (qwen_moe, "mixtral", r"model.qkv_bias=True as MixtralForCausalLM"),
+        (dataclasses.replace(qwen_moe, qkv_bias=False), "mixtral", r"model.router_norm_topk=False as Mixtral"),
+        (qwen2, "qwen2_moe", r"dense model \(model.n_experts=0\) as Qwen2MoeForCausalLM: export it as 'qwen2'"),
+    ]
+    for cfg, arch, match in refused:
+        with pytest.raises(HFCheckpointError, match=match):
+            export_hf(cfg, GPT(cfg, rngs=nnx.Rngs(0)), str(tmp_path), arch=arch)
     assert not os.path.exists(tmp_path / "config.json")
 
 

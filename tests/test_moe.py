@@ -30,8 +30,9 @@ def _moe(**kw) -> MoE:
 
 
 def _reference(moe: MoE, x_BxLxD, kept_TxE=None):
-    """The MoE output by a plain loop over experts: each expert's MLP on every token, added with the token's
-    renormalised top-k weight where the token chose it (and `kept_TxE` keeps it)."""
+    """The MoE output by a plain loop over experts: each expert's MLP on every token, added with the token's top-k
+    weight (renormalised over the k unless router_norm_topk is off) where the token chose it (and `kept_TxE` keeps
+    it); the shared experts' MLP added, scaled by their sigmoid gate where there is one."""
     B, L, D = x_BxLxD.shape
     x = x_BxLxD.reshape(B * L, D).astype(jnp.float32)
     logits = x @ moe.router_DxE[...]
@@ -40,7 +41,7 @@ def _reference(moe: MoE, x_BxLxD, kept_TxE=None):
     chosen_TxE = scores >= kth
     if kept_TxE is not None:
         chosen_TxE = chosen_TxE & kept_TxE
-    norm_T = jnp.sum(jnp.where(scores >= kth, scores, 0.0), axis=-1)
+    norm_T = jnp.sum(jnp.where(scores >= kth, scores, 0.0), axis=-1) if moe.norm_topk else jnp.ones(B * L)
     y = jnp.zeros_like(x)
     for e in range(scores.shape[1]):
         h = x @ moe.w_in_ExDxF[e]
@@ -56,7 +57,8 @@ def _reference(moe: MoE, x_BxLxD, kept_TxE=None):
         y = y + jnp.where(chosen_TxE[:, e], scores[:, e] / norm_T, 0.0)[:, None] * out
     y = y.reshape(B, L, D)
     if moe.shared is not None:
-        y = y + moe.shared(x_BxLxD)
+        gate = 1.0 if moe.shared_gate_Dx1 is None else jax.nn.sigmoid(x_BxLxD @ moe.shared_gate_Dx1[...])
+        y = y + gate * moe.shared(x_BxLxD)
     return y
 
 
@@ -76,10 +78,18 @@ def _out(moe, x):
     return moe(x)[0]
 
 
-@pytest.mark.parametrize("router,style,shared,gmm", [("softmax", "gpt2", 0, "xla"), ("sigmoid", "gpt2", 0, "tiled"),
-                                                     ("softmax", "llama", 1, "loop"), ("sigmoid", "llama", 2, "xla")])
-def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared, gmm):
-    moe = _moe(router=router, style=style, n_shared_experts=shared, grouped_matmul_impl=gmm)
+# Qwen2-MoE's block: the k weights as the softmax scored them, one gated shared expert of its own width
+QWEN_MOE = dict(router_norm_topk=False, shared_mlp_dim=40, shared_expert_gate=True)
+
+
+@pytest.mark.parametrize("router,style,shared,gmm,extra", [
+    ("softmax", "gpt2", 0, "xla", {}), ("sigmoid", "gpt2", 0, "tiled", {}), ("softmax", "llama", 1, "loop", {}),
+    ("sigmoid", "llama", 2, "xla", {}), pytest.param("softmax", "llama", 1, "xla", QWEN_MOE, id="qwen2_moe-xla"),
+    pytest.param("softmax", "llama", 1, "loop", QWEN_MOE, id="qwen2_moe-loop")])
+def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, shared, gmm, extra):
+    moe = _moe(router=router, style=style, n_shared_experts=shared, grouped_matmul_impl=gmm, **extra)
+    if extra:
+        assert moe.shared_gate_Dx1.shape == (16, 1) and moe.shared.w_in_DxF.shape == (16, 40)
     x = jax.random.normal(jax.random.key(1), (2, 5, 16))
     np.testing.assert_allclose(_out(moe, x), _reference(moe, x), rtol=1e-5, atol=1e-5)
     got, got_x = _grads(_out, moe, x)
@@ -306,6 +316,10 @@ def test_the_kv_cache_forward_matches_the_full_forward():
     (["n_experts=4", "capacity_factor=-0.5"], r"model.capacity_factor=-0.5 must be at least 0"),
     (["n_experts=4", "moe_every=2"], r"model.moe_every=2 mixes dense and MoE layers.*scan_layers=false"),
     (["n_shared_experts=1"], r"model.n_shared_experts=1 needs model.n_experts > 0"),
+    (["n_experts=4", "shared_mlp_dim=64"], r"model.shared_mlp_dim=64 shapes shared experts, and "
+                                           r"model.n_shared_experts=0: set n_shared_experts >= 1"),
+    (["n_experts=4", "shared_expert_gate=true"], r"model.shared_expert_gate=True shapes shared experts"),
+    (["n_experts=4", "n_shared_experts=1", "shared_mlp_dim=0"], r"model.shared_mlp_dim=0 must be at least 1"),
     (["n_experts=4", "flavour=shard_map"], r"model.n_experts=4 \(MoE\) runs with parallel.flavour=jit"),
 ])
 def test_bad_moe_settings_are_refused_in_one_line(overrides, message):
@@ -328,6 +342,9 @@ def test_flops_count_the_active_experts():
     assert matmul_params(moe) - matmul_params(tiny) == 4 * 128 * 8
     wider = dataclasses.replace(moe, experts_per_token=4, n_shared_experts=1)  # 5 experts of 256 per token
     assert matmul_params(wider) - matmul_params(moe) == 4 * 3 * (2 * 128 * 256)
+    gated = dataclasses.replace(moe, n_shared_experts=1, shared_mlp_dim=100, shared_expert_gate=True)
+    # + a shared expert 100 wide (in and out: moe-tiny is GELU) and its [128, 1] gate, in each of the 4 layers
+    assert matmul_params(gated) - matmul_params(moe) == 4 * (2 * 128 * 100 + 128)
     mixed = dataclasses.replace(moe, moe_every=2, scan_layers=False)  # layers 1 and 3 MoE, 0 and 2 dense
     assert matmul_params(mixed) - matmul_params(tiny) == 2 * 128 * 8
 

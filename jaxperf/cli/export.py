@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="run_dir of a `jaxperf train` run (config.json + checkpoints/)")
     p.add_argument("--out", required=True, help="the directory to write (created; its weights and configs replaced)")
     p.add_argument("--step", type=int, default=None, help="the checkpoint step (default: the newest intact one)")
-    p.add_argument("--arch", choices=sorted(SUPPORTED), default=None, help="default: mixtral for an MoE model, else the model's style")
+    p.add_argument("--arch", choices=sorted(SUPPORTED), default=None,
+                   help="default: qwen2_moe for an MoE model with shared experts, mixtral for one without, qwen2 for a "
+                   "model with q/k/v biases alone, else the model's style")
     p.add_argument("--max-shard-size", default="2GB", help="largest weight file, e.g. 2GB, 500MB")
     p.add_argument("--dtype", choices=EXPORT_DTYPES, default="float32", help="dtype of the written weights")
     return p

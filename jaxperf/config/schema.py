@@ -72,6 +72,9 @@ class ModelConfig:
     position: Position | None = None
     mlp_act: MlpAct | None = None
     use_bias: bool | None = None  # biases in projections and norms (gpt2: yes, llama: no)
+    # Biases on the query, key and value projections alone. None = use_bias; true with use_bias false is Qwen2's
+    # layout (q/k/v biased, the output projection and the MLPs not)
+    qkv_bias: bool | None = None
     tie_embeddings: bool = True  # output projection = embedding table transposed
     scan_layers: bool = True  # one compiled layer body under lax.scan (fast compiles) or a Python loop
     # Layers per scan iteration; >= n_layers unrolls the stack (loop speed, stacked params; remat then saves little:
@@ -113,8 +116,14 @@ class ModelConfig:
     n_experts: int = 0
     experts_per_token: int = 2  # top-k: 1 <= k <= n_experts
     n_shared_experts: int = 0  # always-on experts (DeepSeek): a dense MLP n_shared_experts * moe_mlp_dim wide
+    shared_mlp_dim: int | None = None  # the shared experts' hidden width; None = n_shared_experts * moe_mlp_dim
+    # Scale the shared experts' output per token by sigmoid(x . w), a learned [D, 1] gate (Qwen2-MoE)
+    shared_expert_gate: bool = False
     moe_every: int = 1  # layer i (from 0) is MoE when (i + 1) % moe_every == 0; > 1 needs scan_layers=false
     router: Router = "softmax"
+    # Renormalise each token's k kept router weights to sum to 1 (Mixtral, DeepSeek-V3); false keeps them as the
+    # router scored them (Qwen2-MoE's norm_topk_prob=false)
+    router_norm_topk: bool = True
     moe_mlp_dim: int | None = None  # one expert's hidden width; None = mlp_dim
     # Each expert takes at most ceil(capacity_factor * tokens * k / n_experts) tokens, the rest are dropped (their
     # MoE output is zero; the residual carries them). None or 0: dropless (grouped matmuls over every routed token)
@@ -138,6 +147,8 @@ class ModelConfig:
             mlp = 64 * math.ceil(8 * self.d_model / 3 / 64)
         else:
             mlp = 4 * self.d_model
+        use_bias = (not llama) if self.use_bias is None else self.use_bias
+        moe_mlp = (self.moe_mlp_dim or mlp) if self.n_experts else self.moe_mlp_dim
         return dataclasses.replace(
             self,
             n_kv_heads=n_kv,
@@ -146,8 +157,11 @@ class ModelConfig:
             norm=self.norm or ("rmsnorm" if llama else "layernorm"),
             position=self.position or ("rope" if llama else "learned"),
             mlp_act=act,
-            use_bias=(not llama) if self.use_bias is None else self.use_bias,
-            moe_mlp_dim=(self.moe_mlp_dim or mlp) if self.n_experts else self.moe_mlp_dim,
+            use_bias=use_bias,
+            qkv_bias=use_bias if self.qkv_bias is None else self.qkv_bias,
+            moe_mlp_dim=moe_mlp,
+            shared_mlp_dim=(self.shared_mlp_dim or self.n_shared_experts * moe_mlp)
+            if self.n_experts and self.n_shared_experts else self.shared_mlp_dim,
         )
 
     @property

@@ -124,6 +124,11 @@ def _validate_remat(r: ModelConfig) -> None:
 
 def _validate_moe(r: ModelConfig) -> None:
     """The mixture-of-experts fields against each other and the layer stack (jaxperf.models.moe)."""
+    if not r.n_shared_experts:
+        for key, value in (("shared_mlp_dim", r.shared_mlp_dim), ("shared_expert_gate", r.shared_expert_gate)):
+            if value:
+                raise ConfigError(f"model.{key}={value} shapes shared experts, and model.n_shared_experts=0: set "
+                                  f"n_shared_experts >= 1, or clear {key}")
     if not r.n_experts:
         if r.n_shared_experts:
             raise ConfigError(f"model.n_shared_experts={r.n_shared_experts} needs model.n_experts > 0 (shared experts "
@@ -296,6 +301,7 @@ RANGES = {
     "model.n_experts": (_at_least(0), "experts per MoE layer; 0 = dense"),
     "model.experts_per_token": (_at_least(1), "experts each token is routed to (top-k)"),
     "model.n_shared_experts": (_at_least(0), "always-on experts per MoE layer"),
+    "model.shared_mlp_dim": (_at_least(1), "the shared experts' hidden width; none = n_shared_experts * moe_mlp_dim"),
     "model.moe_every": (_at_least(1), "every Nth layer is MoE"),
     "model.moe_mlp_dim": (_at_least(1), "one expert's hidden width; none = mlp_dim"),
     "model.capacity_factor": (_at_least(0), "expert capacity over an even share; 0 or none = dropless"),

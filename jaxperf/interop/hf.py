@@ -67,7 +67,9 @@ from jaxperf.models.gpt import GPT
 from jaxperf.parallel.rules import get_rules
 from jaxperf.step.task import Task
 
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+             "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE_ARCHS = ("mixtral", "qwen2_moe")
 # ModelConfig fields that change how the model runs but not what it computes: safe to override on import.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention_impl", "norm_impl",
                   "loss_impl", "matmul_grad_barrier", "init_std")
@@ -75,8 +77,8 @@ GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "ge
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["EXPORT_DTYPES", "HFCheckpointError", "RUNTIME_FIELDS", "SUPPORTED", "export_hf", "hf_model_config",
-           "import_hf", "load_hf_model", "load_hf_params", "read_generation_config"]
+__all__ = ["EXPORT_DTYPES", "HFCheckpointError", "RUNTIME_FIELDS", "SUPPORTED", "default_arch", "export_hf",
+           "hf_model_config", "import_hf", "load_hf_model", "load_hf_params", "read_generation_config"]
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,45 @@ def _llama_config(hf: dict) -> tuple[ModelConfig, dict]:
     return cfg, flags
 
 
+def _full_attention(hf: dict, max_len: int) -> None:
+    """Refuse sliding-window layers (Qwen2's use_sliding_window): jaxperf attends over the whole context."""
+    if hf.get("use_sliding_window"):
+        _require(hf, "sliding_window", lambda v: v is None or v >= max_len, None,
+                 f"with use_sliding_window=true the window must be null or at least max_position_embeddings="
+                 f"{max_len}: jaxperf attends over the whole context")
+
+
+def _qwen2_config(hf: dict) -> tuple[ModelConfig, dict]:
+    """Llama's mapping with biases on q, k and v alone (`qkv_bias`; Qwen2's output projection and MLP have none)."""
+    hf = {**hf, "attention_bias": False, "mlp_bias": False}
+    cfg, _ = _llama_config(hf)
+    _full_attention(hf, cfg.max_seq_len)
+    qkv = bool(hf.get("qkv_bias", True))  # Qwen2-MoE's config names it; Qwen2's always has them
+    return dataclasses.replace(cfg, qkv_bias=qkv), {"attention_bias": False, "mlp_bias": False, "qkv_bias": qkv}
+
+
+def _qwen2_moe_config(hf: dict) -> tuple[ModelConfig, dict]:
+    """Qwen2's attention; every layer's MLP routed experts (softmax, top num_experts_per_tok, renormalised only with
+    norm_topk_prob) beside one shared expert of its own width whose output a sigmoid gate scales per token."""
+    cfg, flags = _qwen2_config(hf)
+    E = _require(hf, "num_experts", lambda v: isinstance(v, int) and v >= 1, None,
+                 "a Qwen2-MoE config needs num_experts >= 1")
+    k = _require(hf, "num_experts_per_tok", lambda v: isinstance(v, int) and 1 <= v <= E, 4,
+                 f"each token goes to 1 to num_experts={E} experts")
+    _require(hf, "decoder_sparse_step", lambda v: v == 1, 1,
+             "jaxperf imports Qwen2-MoE with every layer's MLP routed (decoder_sparse_step=1)")
+    _require(hf, "mlp_only_layers", lambda v: not v, None,
+             "jaxperf imports Qwen2-MoE with every layer's MLP routed (no mlp_only_layers)")
+    shared = _require(hf, "shared_expert_intermediate_size", lambda v: isinstance(v, int) and v >= 1, None,
+                      "Qwen2-MoE's shared expert needs a width >= 1")
+    return dataclasses.replace(
+        cfg, n_experts=E, experts_per_token=k, moe_mlp_dim=hf["moe_intermediate_size"], n_shared_experts=1,
+        shared_mlp_dim=shared, shared_expert_gate=True, router="softmax",
+        router_norm_topk=bool(hf.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)), router_z_loss_coef=0.0), {
+            **flags, "fused": False}
+
+
 def _mixtral_config(hf: dict) -> tuple[ModelConfig, dict]:
     """Llama's mapping plus the experts: dropless softmax routing over num_local_experts, top num_experts_per_tok."""
     cfg, _ = _llama_config(hf)
@@ -263,9 +304,10 @@ def _llama_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
         _same("input_layernorm.weight", "attn_norm.scale", (D,)),
         _same("post_attention_layernorm.weight", "mlp_norm.scale", (D,)),
     ]
-    if flags["attention_bias"]:
+    if flags["attention_bias"] or flags.get("qkv_bias"):
         for n, jp, heads in (("q", "bias_q_HxDh", H), ("k", "bias_k_KxDh", K), ("v", "bias_v_KxDh", K)):
             layer.append(_Map(f"self_attn.{n}_proj.bias", (heads * Dh,), (_Part(f"attn.{jp}", (), (heads, Dh)),)))
+    if flags["attention_bias"]:
         layer.append(_same("self_attn.o_proj.bias", "attn.bias_o_D", (D,)))
     if flags["mlp_bias"]:
         layer += [
@@ -282,34 +324,57 @@ def _llama_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
     return layer, top
 
 
-def _mixtral_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
-    """Llama's attention, norms and embeddings; the experts in the hub layout (one tensor per expert) or, with
-    flags["fused"], in transformers' fused one."""
+def _expert_maps(c: ModelConfig, fused: bool, hub: tuple[str, str, str, str]) -> list[_Map]:
+    """The router and the routed experts: in transformers' fused layout (mlp.gate; mlp.experts.gate_up_proj
+    [E, 2F, D], gate rows first; mlp.experts.down_proj [E, D, F]) or in the hub one, `hub` naming the router and one
+    expert's gate, up and down projections ("{j}" the expert)."""
     D, E, F = c.d_model, c.n_experts, c.moe_mlp_dim
-    layer, top = _llama_maps(c, {"attention_bias": False, "mlp_bias": False})
-    layer = [m for m in layer if not m.hf.startswith("mlp.")]
-    if flags.get("fused"):
-        layer += [
+    if fused:
+        return [
             _linear_t("mlp.gate.weight", "mlp.router_DxE", (D,), (E,)),
             _Map("mlp.experts.gate_up_proj", (2 * F, D), (_Part("mlp.w_gate_ExDxF", (D,), (F,), t=True),
                                                            _Part("mlp.w_in_ExDxF", (D,), (F,), offset=F, t=True)),
                  experts=E),
             _linear_t("mlp.experts.down_proj", "mlp.w_out_ExFxD", (F,), (D,), experts=E),
         ]
-    else:
-        moe = "block_sparse_moe."
-        layer += [
-            _linear_t(moe + "gate.weight", "mlp.router_DxE", (D,), (E,)),
-            _linear_t(moe + "experts.{j}.w1.weight", "mlp.w_gate_ExDxF", (D,), (F,), experts=E),
-            _linear_t(moe + "experts.{j}.w3.weight", "mlp.w_in_ExDxF", (D,), (F,), experts=E),
-            _linear_t(moe + "experts.{j}.w2.weight", "mlp.w_out_ExFxD", (F,), (D,), experts=E),
-        ]
+    router, gate, up, down = hub
+    return [
+        _linear_t(router, "mlp.router_DxE", (D,), (E,)),
+        _linear_t(gate, "mlp.w_gate_ExDxF", (D,), (F,), experts=E),
+        _linear_t(up, "mlp.w_in_ExDxF", (D,), (F,), experts=E),
+        _linear_t(down, "mlp.w_out_ExFxD", (F,), (D,), experts=E),
+    ]
+
+
+def _mixtral_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
+    """Llama's attention, norms and embeddings; the experts in the hub layout (one tensor per expert) or, with
+    flags["fused"], in transformers' fused one."""
+    layer, top = _llama_maps(c, {"attention_bias": False, "mlp_bias": False})
+    moe = "block_sparse_moe."
+    hub = (moe + "gate.weight", moe + "experts.{j}.w1.weight", moe + "experts.{j}.w3.weight",
+           moe + "experts.{j}.w2.weight")
+    return [m for m in layer if not m.hf.startswith("mlp.")] + _expert_maps(c, flags.get("fused"), hub), top
+
+
+def _qwen2_moe_maps(c: ModelConfig, flags: dict) -> tuple[list[_Map], list[_Map]]:
+    """Qwen2's attention; the routed experts (hub layout: mlp.experts.{j}.gate_proj/up_proj/down_proj, or fused),
+    the shared expert (mlp.shared_expert.*) and its gate (mlp.shared_expert_gate, [1, D])."""
+    D, S = c.d_model, c.shared_mlp_dim
+    layer, top = _llama_maps(c, {**flags, "mlp_bias": False})
+    hub = ("mlp.gate.weight", *(f"mlp.experts.{{j}}.{p}_proj.weight" for p in ("gate", "up", "down")))
+    layer = [m for m in layer if not m.hf.startswith("mlp.")] + _expert_maps(c, flags.get("fused"), hub)
+    layer += [
+        _linear_t("mlp.shared_expert.gate_proj.weight", "mlp.shared.w_gate_DxF", (D,), (S,)),
+        _linear_t("mlp.shared_expert.up_proj.weight", "mlp.shared.w_in_DxF", (D,), (S,)),
+        _linear_t("mlp.shared_expert.down_proj.weight", "mlp.shared.w_out_FxD", (S,), (D,)),
+        _linear_t("mlp.shared_expert_gate.weight", "mlp.shared_gate_Dx1", (D,), (1,)),
+    ]
     return layer, top
 
 
 # Layer and model prefixes of each architecture (HF saves GPT-2 with or without "transformer.").
-_PREFIXES = {"gpt2": (("transformer.", ""), "h.{i}."), "llama": (("model.",), "layers.{i}."),
-             "mixtral": (("model.",), "layers.{i}.")}
+_PREFIXES = {"gpt2": (("transformer.", ""), "h.{i}."),
+             **{arch: (("model.",), "layers.{i}.") for arch in ("llama", "mixtral", "qwen2", "qwen2_moe")}}
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq")
 
 
@@ -321,7 +386,7 @@ def _full(prefix: str, name: str) -> str:
 def _maps(arch: str, cfg: ModelConfig, flags: dict):
     if arch == "gpt2":
         return _gpt2_maps(cfg)
-    return (_mixtral_maps if arch == "mixtral" else _llama_maps)(cfg, flags)
+    return {"mixtral": _mixtral_maps, "qwen2_moe": _qwen2_moe_maps}.get(arch, _llama_maps)(cfg, flags)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -404,10 +469,9 @@ def _hf_config_to_jaxperf(hf: dict) -> tuple[str, ModelConfig, dict]:
     arch = _architecture(hf)
     if arch == "gpt2":
         cfg, flags = _gpt2_config(hf), {}
-    elif arch == "mixtral":
-        cfg, flags = _mixtral_config(hf)
     else:
-        cfg, flags = _llama_config(hf)
+        cfg, flags = {"mixtral": _mixtral_config, "qwen2": _qwen2_config, "qwen2_moe": _qwen2_moe_config,
+                      "llama": _llama_config}[arch](hf)
     return arch, validate_model(cfg), flags
 
 
@@ -499,7 +563,7 @@ def _plan(directory: str, **overrides) -> _Plan:
     src = Checkpoint(directory)
     model_prefixes, layer_fmt = _PREFIXES[arch]
     prefix = next((p for p in model_prefixes if any(k.startswith(p) for k in src.shapes)), model_prefixes[-1])
-    if arch == "mixtral":  # the layout of the experts: hub (one tensor per expert) or fused
+    if arch in MOE_ARCHS:  # the layout of the experts: hub (one tensor per expert) or fused
         flags["fused"] = any(k.endswith(".mlp.experts.gate_up_proj") for k in src.shapes)
     layer_maps, top_maps = _maps(arch, cfg, flags)
 
@@ -538,7 +602,8 @@ def _leaves(cfg: ModelConfig):
 
 
 def import_hf(directory: str, **overrides) -> tuple[ModelConfig, dict]:
-    """Read a Hugging Face GPT-2 or Llama checkpoint into jaxperf's layout, on the host.
+    """Read a Hugging Face checkpoint (`SUPPORTED`: GPT-2, Llama, Mixtral, Qwen2, Qwen2-MoE) into jaxperf's layout,
+    on the host.
 
     Args:
       directory: holds config.json and *.safetensors (one file, or shards listed in model.safetensors.index.json).
@@ -642,19 +707,38 @@ def load_hf_model(directory: str, *, mesh=None, rules="fsdp", **overrides):
 # Writing
 
 
+def default_arch(cfg: ModelConfig) -> str:
+    """The HF architecture a model exports as when none is named: Qwen2-MoE for an MoE model with shared experts,
+    Mixtral for one without, Qwen2 for a Llama-style model with q/k/v biases alone, else the model's style."""
+    cfg = cfg.resolved()
+    if cfg.n_experts:
+        return "qwen2_moe" if cfg.n_shared_experts else "mixtral"
+    if cfg.style == "llama" and cfg.qkv_bias and not cfg.use_bias:
+        return "qwen2"
+    return cfg.style
+
+
 def _export_check(cfg: ModelConfig, arch: str) -> None:
+    llama = {"norm": "rmsnorm", "position": "rope", "mlp_act": "swiglu"}
+    qwen2 = {**llama, "use_bias": False, "qkv_bias": True}
     need = {
-        "gpt2": {"norm": "layernorm", "position": "learned", "mlp_act": ("gelu", "gelu_exact"), "use_bias": True},
-        "llama": {"norm": "rmsnorm", "position": "rope", "mlp_act": "swiglu"},
-        "mixtral": {"norm": "rmsnorm", "position": "rope", "mlp_act": "swiglu", "use_bias": False, "router": "softmax",
+        "gpt2": {"norm": "layernorm", "position": "learned", "mlp_act": ("gelu", "gelu_exact"), "use_bias": True,
+                 "qkv_bias": True},
+        "llama": {**llama, "qkv_bias": cfg.use_bias},  # attention_bias: q, k, v and o, or none
+        "mixtral": {**llama, "use_bias": False, "qkv_bias": False, "router": "softmax", "router_norm_topk": True,
                     "moe_every": 1, "n_shared_experts": 0},
+        "qwen2": qwen2,
+        "qwen2_moe": {**qwen2, "router": "softmax", "moe_every": 1, "shared_expert_gate": True},
     }[arch]
-    if arch == "mixtral" and not cfg.n_experts:
-        raise HFCheckpointError("cannot export a dense model (model.n_experts=0) as MixtralForCausalLM: export it as "
-                                "'llama'")
-    if arch != "mixtral" and cfg.n_experts:
+    if arch in MOE_ARCHS and not cfg.n_experts:
+        raise HFCheckpointError(f"cannot export a dense model (model.n_experts=0) as {SUPPORTED[arch]}: export it as "
+                                f"'{'llama' if arch == 'mixtral' else 'qwen2'}'")
+    if arch not in MOE_ARCHS and cfg.n_experts:
         raise HFCheckpointError(f"cannot export a mixture-of-experts model (model.n_experts={cfg.n_experts}) as "
-                                f"{SUPPORTED[arch]}: export it as 'mixtral'")
+                                f"{SUPPORTED[arch]}: export it as {' or '.join(map(repr, MOE_ARCHS))}")
+    if arch == "qwen2_moe" and not cfg.n_shared_experts:
+        raise HFCheckpointError("cannot export model.n_shared_experts=0 as Qwen2MoeForCausalLM, whose layers each "
+                                "have a gated shared expert: export it as 'mixtral'")
     for key, value in need.items():
         ok = value if isinstance(value, tuple) else (value,)
         if getattr(cfg, key) not in ok:
@@ -690,6 +774,24 @@ def _hf_config(cfg: ModelConfig, arch: str, flags: dict, dtype: str) -> dict:
             "tie_word_embeddings": cfg.tie_embeddings, "scale_attn_weights": True, "torch_dtype": dtype,
         }
     theta = float(cfg.rope_theta)
+    if arch in ("qwen2", "qwen2_moe"):
+        out = {
+            "architectures": [SUPPORTED[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.mlp_dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": cfg.tie_embeddings,
+            "torch_dtype": dtype,
+        }
+        if arch == "qwen2_moe":
+            out.update({
+                "num_experts": cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+                "moe_intermediate_size": cfg.moe_mlp_dim, "shared_expert_intermediate_size": cfg.shared_mlp_dim,
+                "norm_topk_prob": cfg.router_norm_topk, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False, "qkv_bias": True,
+            })
+        return out
     if arch == "mixtral":
         return {
             "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": cfg.vocab_size,
@@ -786,8 +888,9 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
       cfg: the model's ModelConfig.
       params: pure-dict parameters (`TrainState.params`, sharded jax Arrays or numpy) or a jaxperf GPT module.
       directory: created if needed; existing config files and model*.safetensors are replaced.
-      arch: "gpt2" (GPT2LMHeadModel), "llama" (LlamaForCausalLM) or "mixtral" (MixtralForCausalLM, the experts in
-        the hub layout: one w1/w2/w3 per expert); None picks "mixtral" for an MoE model, else cfg.style.
+      arch: "gpt2" (GPT2LMHeadModel), "llama" (LlamaForCausalLM), "mixtral" (MixtralForCausalLM), "qwen2"
+        (Qwen2ForCausalLM) or "qwen2_moe" (Qwen2MoeForCausalLM); the experts are written in the hub layout (one
+        tensor per expert and projection). None: `default_arch(cfg)`.
       special_tokens: {"bos_token_id", "eos_token_id", "pad_token_id"} (missing ones are written as null), e.g.
         `jaxperf.data.special_token_ids(source_dir)` or the tokenizer's ids.
       generation_config: the source's generation_config.json (`read_generation_config`); the special token ids fill
@@ -800,7 +903,7 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
     Returns the weight files written. Rows of a padded vocabulary (cfg.padded_vocab > cfg.vocab_size) are dropped.
     """
     cfg = validate_model(cfg)
-    arch = arch or ("mixtral" if cfg.n_experts else cfg.style)
+    arch = arch or default_arch(cfg)
     if arch not in SUPPORTED:
         raise HFCheckpointError(f"arch={arch!r}: export supports {sorted(SUPPORTED)}")
     if dtype not in EXPORT_DTYPES:
@@ -814,7 +917,9 @@ def export_hf(cfg: ModelConfig, params, directory: str, arch: str | None = None,
 
     V = cfg.vocab_size
     trim = {"embed_VxD": lambda a: a[:V], "head_DxV": lambda a: a[:, :V]}
-    flags = {"fused": False} if arch == "mixtral" else _llama_bias_flags(cfg, params)
+    flags = {"mixtral": {"fused": False}, "qwen2": {"attention_bias": False, "mlp_bias": False, "qkv_bias": True},
+             "qwen2_moe": {"attention_bias": False, "mlp_bias": False, "qkv_bias": True, "fused": False}}.get(arch)
+    flags = flags or _llama_bias_flags(cfg, params)
     out_cfg = dataclasses.replace(cfg, vocab_multiple=1)
     layer_maps, top_maps = _maps(arch, out_cfg, flags)
     prefix, layer_fmt = _PREFIXES[arch][0][0], _PREFIXES[arch][1]

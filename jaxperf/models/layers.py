@@ -279,13 +279,13 @@ class Attention(nnx.Module):
         self.wk_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wv_DxKxDh = _param(rngs, init, (D, K, Dh), ("embed", "kv_heads", "head_dim"), pd)
         self.wo_HxDhxD = _param(rngs, out_init, (H, Dh, D), ("heads", "head_dim", "embed"), pd)
-        if cfg.use_bias:
+        if cfg.use_bias if cfg.qkv_bias is None else cfg.qkv_bias:  # with use_bias false: q/k/v alone (Qwen2)
             self.bias_q_HxDh = _param(rngs, _zeros, (H, Dh), ("heads", "head_dim"), pd)
             self.bias_k_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
             self.bias_v_KxDh = _param(rngs, _zeros, (K, Dh), ("kv_heads", "head_dim"), pd)
-            self.bias_o_D = _param(rngs, _zeros, (D,), ("embed",), pd)
         else:
-            self.bias_q_HxDh = self.bias_k_KxDh = self.bias_v_KxDh = self.bias_o_D = None
+            self.bias_q_HxDh = self.bias_k_KxDh = self.bias_v_KxDh = None
+        self.bias_o_D = _param(rngs, _zeros, (D,), ("embed",), pd) if cfg.use_bias else None
 
     def _qkv(self, x_BxLxD: jax.Array, positions_BxL: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS):
         """Projections q [B, L, H, Dh], k and v [B, L, K, Dh], with RoPE applied where the style uses it."""

@@ -5,7 +5,8 @@
 
 The router is a [D, E] matmul in fp32. Routing (`route`): "softmax" takes the softmax over all experts, keeps the top
 k and renormalises their weights to sum to 1 (Mixtral); "sigmoid" keeps the top k of independent sigmoid scores,
-normalised over the k (DeepSeek-V3). Two ways to run the experts:
+normalised over the k (DeepSeek-V3); `router_norm_topk=false` keeps the k weights as scored (Qwen2-MoE). Two ways
+to run the experts:
 
   dropless (capacity_factor None or 0)  the token slots sorted by expert and run as grouped matmuls
                                         (`jax.lax.ragged_dot`): every routed token is computed, none is padded
@@ -20,8 +21,9 @@ all-to-all (jaxperf.parallel.expert), dropless or with a capacity per expert cou
 GShard group); the router losses average over the whole batch, as on one device. Without an expert axis, wherever
 the tokens are split over devices, each device routes its own tokens the same way, through all the experts and
 without all-to-all (`routes_per_device`). Shared experts
-(`n_shared_experts`, DeepSeek) are one dense MLP of width n_shared_experts * moe_mlp_dim added to every token's
-routed output.
+(`n_shared_experts`, DeepSeek) are one dense MLP of width `shared_mlp_dim` (by default n_shared_experts *
+moe_mlp_dim) added to every token's routed output, scaled per token by a sigmoid gate with `shared_expert_gate`
+(Qwen2-MoE).
 
 Legend: B batch, L length, D embed, T tokens (B * L), E experts, K experts per token, S token slots (T * K),
 F one expert's hidden width, C expert capacity.
@@ -85,11 +87,13 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * k / n_experts))
 
 
-def route(logits_TxE: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(weights [T, K] fp32 summing to 1 per token, experts [T, K] int32, probs [T, E] fp32) from router logits.
+def route(logits_TxE: jax.Array, k: int, router: str,
+          norm_topk: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(weights [T, K] fp32, experts [T, K] int32, probs [T, E] fp32) from router logits.
 
     `probs` are the per-expert scores the load-balancing loss averages: the softmax for "softmax", the sigmoid scores
-    normalised over all E experts for "sigmoid". Both routers renormalise the k kept weights.
+    normalised over all E experts for "sigmoid". With `norm_topk` (both routers' default) the k kept weights are
+    renormalised to sum to 1 per token; without, they are the kept scores themselves (Qwen2-MoE).
     """
     logits = logits_TxE.astype(jnp.float32)
     if router == "softmax":
@@ -101,7 +105,7 @@ def route(logits_TxE: jax.Array, k: int, router: str) -> tuple[jax.Array, jax.Ar
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         raise ValueError(f"unknown router {router!r}; expected 'softmax' or 'sigmoid'")
-    weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True)
+    weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True) if norm_topk else top_TxK
     return weights_TxK, experts_TxK.astype(jnp.int32), probs
 
 
@@ -125,11 +129,11 @@ def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)))
 
 
-def _routed(x_BxLxD, router_DxE, k: int, router: str):
+def _routed(x_BxLxD, router_DxE, k: int, router: str, norm_topk: bool = True):
     """(x [T, D], router logits [T, E] fp32, weights [T, K], experts [T, K], probs [T, E]) of a batch's tokens."""
     x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
     logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
-    return (x_TxD, logits_TxE, *route(logits_TxE, k, router))
+    return (x_TxD, logits_TxE, *route(logits_TxE, k, router, norm_topk))
 
 
 def _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean=_identity) -> dict[str, jax.Array]:
@@ -158,7 +162,8 @@ class MoE(nnx.Module):
     """The MoE MLP of one layer; `__call__` returns (y [B, L, D], {aux_loss, z_loss, dropped}).
 
     Its parameters are checkpoint keys: `router_DxE`; `w_in_ExDxF`, `w_gate_ExDxF` (SwiGLU), `w_out_ExFxD` and, with
-    biases, `bias_in_ExF`, `bias_out_ExD`; `shared` (a `MLP`) with shared experts.
+    biases, `bias_in_ExF`, `bias_out_ExD`; `shared` (a `MLP`, `shared_mlp_dim` wide) with shared experts and
+    `shared_gate_Dx1` with their sigmoid gate.
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -166,7 +171,8 @@ class MoE(nnx.Module):
         init = nnx.initializers.normal(cfg.init_std)
         out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
         pd = jnp.dtype(cfg.param_dtype)
-        self.act, self.k, self.router = cfg.mlp_act, cfg.experts_per_token, cfg.router
+        self.act, self.k, self.router, self.norm_topk = cfg.mlp_act, cfg.experts_per_token, cfg.router, \
+            cfg.router_norm_topk
         self.capacity_factor = cfg.capacity_factor or 0.0
         self.gmm_impl, self.platform = cfg.grouped_matmul_impl, cfg.platform
         # with the looped grouped matmul (XLA:CPU's), the slots are sorted and unsorted by gathers (`_permute_rows`)
@@ -178,8 +184,10 @@ class MoE(nnx.Module):
         self.w_out_ExFxD = _param(rngs, out_init, (E, F, D), w_out, pd)
         self.bias_in_ExF = _param(rngs, _zeros, (E, F), b_in, pd) if cfg.use_bias else None
         self.bias_out_ExD = _param(rngs, _zeros, (E, D), b_out, pd) if cfg.use_bias else None
-        self.shared = (MLP(dataclasses.replace(cfg, mlp_dim=cfg.n_shared_experts * F), rngs=rngs)
-                       if cfg.n_shared_experts else None)
+        shared_F = cfg.shared_mlp_dim or cfg.n_shared_experts * F
+        self.shared = MLP(dataclasses.replace(cfg, mlp_dim=shared_F), rngs=rngs) if cfg.n_shared_experts else None
+        self.shared_gate_Dx1 = (_param(rngs, init, (D, 1), ("embed", None), pd)
+                                if cfg.n_shared_experts and cfg.shared_expert_gate else None)
 
     def _weights(self, dt):
         """(w_in, w_gate, w_out, b_in, b_out) in the compute dtype, None where absent."""
@@ -190,19 +198,27 @@ class MoE(nnx.Module):
     def _grouped_matmul(self, x):
         return implementation("grouped_matmul", self.gmm_impl, x, self.w_in_ExDxF, platform=self.platform)
 
+    def _shared(self, x_BxLxD: jax.Array, hooks: LayerHooks) -> jax.Array:
+        """The shared experts' output, scaled per token by the sigmoid gate where there is one (gate in fp32)."""
+        y_BxLxD = self.shared(x_BxLxD, hooks)
+        if self.shared_gate_Dx1 is None:
+            return y_BxLxD
+        logit_BxLx1 = x_BxLxD.astype(jnp.float32) @ self.shared_gate_Dx1[...].astype(jnp.float32)
+        return jax.nn.sigmoid(logit_BxLx1).astype(y_BxLxD.dtype) * y_BxLxD
+
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> tuple[jax.Array, dict]:
         if hooks.experts is not None:
             y_BxLxD, stats = self._expert_parallel(x_BxLxD, hooks.experts.mesh, hooks.experts.axis)
             if self.shared is not None:
-                y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
+                y_BxLxD = y_BxLxD + self._shared(x_BxLxD, hooks)
             return checkpoint_name(y_BxLxD, "mlpwo"), stats
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
-                                                                          self.router)
+                                                                          self.router, self.norm_topk)
         y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
                                       self.capacity_factor, self.act, self._grouped_matmul(x_TxD), self.gather_rows)
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
-            y_BxLxD = y_BxLxD + self.shared(x_BxLxD, hooks)
+            y_BxLxD = y_BxLxD + self._shared(x_BxLxD, hooks)
         return checkpoint_name(y_BxLxD, "mlpwo"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
 
     def _expert_parallel(self, x_BxLxD, mesh, axis: str):
@@ -211,11 +227,13 @@ class MoE(nnx.Module):
         x_spec = activation_spec(("batch", "seq", "embed"), x_BxLxD.shape) or P()
         token_axes = tuple(a for dim in x_spec for a in ((dim,) if isinstance(dim, str) else (dim or ())))
         k, router, factor, act, gather_rows = self.k, self.router, self.capacity_factor, self.act, self.gather_rows
+        norm_topk = self.norm_topk
         E = self.w_in_ExDxF.shape[0]
         gmm = self._grouped_matmul(x_BxLxD)
 
         def routed(x_BxLxD, router_DxE, weights, gmm=gmm):
-            x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router)
+            x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router,
+                                                                              norm_topk)
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
             if n == 1:  # no expert axis: this device's tokens through all the experts, without all-to-all

@@ -44,8 +44,9 @@ def _layer_matmul_params(r: ModelConfig, layer: int = 0) -> dict[str, int]:
     """Matmul parameters one token meets in layer `layer`; in an MoE layer "mlp_in" also holds the router's."""
     D, H, K, Dh, F = r.d_model, r.n_heads, r.n_kv_heads, r.head_dim, r.mlp_dim
     gate = 2 if r.mlp_act == "swiglu" else 1
-    if is_moe_layer(r, layer):  # the k routed experts and the shared ones, each moe_mlp_dim wide
-        F, router = (r.experts_per_token + r.n_shared_experts) * r.moe_mlp_dim, D * r.n_experts
+    if is_moe_layer(r, layer):  # the k routed experts (moe_mlp_dim wide each), the shared ones and their gate
+        F = r.experts_per_token * r.moe_mlp_dim + (r.shared_mlp_dim if r.n_shared_experts else 0)
+        router = D * r.n_experts + (D if r.n_shared_experts and r.shared_expert_gate else 0)
     else:
         router = 0
     return {

@@ -371,7 +371,8 @@ def _per_device_model(r: ModelConfig, t: int) -> ModelConfig:
     """The layer one device runs when heads, KV heads and MLP columns are split over `t` (where they divide)."""
     div = lambda n: n // t if t > 1 and n % t == 0 else n  # noqa: E731
     return dataclasses.replace(r, n_heads=div(r.n_heads), n_kv_heads=div(r.n_kv_heads), mlp_dim=div(r.mlp_dim),
-                               moe_mlp_dim=div(r.moe_mlp_dim) if r.moe_mlp_dim else r.moe_mlp_dim)
+                               moe_mlp_dim=div(r.moe_mlp_dim) if r.moe_mlp_dim else r.moe_mlp_dim,
+                               shared_mlp_dim=div(r.shared_mlp_dim) if r.shared_mlp_dim else r.shared_mlp_dim)
 
 
 def _layer_kinds(r: ModelConfig) -> dict[bool, int]:

@@ -38,7 +38,9 @@ import jax
 
 from jaxperf.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig, from_dict, validate_model
 from jaxperf.data import HFTokenizer, special_token_ids, tokenizer_for
-from jaxperf.interop import RUNTIME_FIELDS, export_hf, hf_model_config, load_hf_params, read_generation_config
+from jaxperf.interop import (
+    RUNTIME_FIELDS, default_arch, export_hf, hf_model_config, load_hf_params, read_generation_config,
+)
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.step.task import Task, TrainState, build_task
 from jaxperf.checkpoint import Checkpointer
@@ -125,8 +127,8 @@ class InitSource:
 
     @property
     def arch(self) -> str:
-        """The Hugging Face architecture the source's model is: mixtral for an MoE model, else its style."""
-        return "mixtral" if self.model.n_experts else self.model.style
+        """The Hugging Face architecture the source's model exports as (`jaxperf.interop.hf.default_arch`)."""
+        return default_arch(self.model)
 
     @property
     def changeable(self) -> tuple[str, ...]:
