@@ -339,9 +339,14 @@ def test_mixtral_refusals(tmp_path, config, match):
     os.makedirs(tmp_path, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     assert hf_model_config(str(tmp_path)).n_experts == 4
-    (tmp_path / "config.json").write_text(json.dumps({**hf, **config}))
+    _refused_in_one_line(tmp_path, {**hf, **config}, match)
+
+
+def _refused_in_one_line(directory, hf: dict, match: str) -> None:
+    """config.json `hf` in `directory` is refused in one line matching `match`."""
+    (directory / "config.json").write_text(json.dumps(hf))
     with pytest.raises(HFCheckpointError, match=match) as err:
-        hf_model_config(str(tmp_path))
+        hf_model_config(str(directory))
     assert "\n" not in str(err.value)
 
 
@@ -470,10 +475,7 @@ def test_qwen2_refusals(tmp_path, config, match):
     for ok in ({}, {"use_sliding_window": True, "sliding_window": 32}):
         (tmp_path / "config.json").write_text(json.dumps({**_QWEN2_MOE_JSON, **ok}))
         assert hf_model_config(str(tmp_path)).shared_mlp_dim == 12
-    (tmp_path / "config.json").write_text(json.dumps({**_QWEN2_MOE_JSON, **config}))
-    with pytest.raises(HFCheckpointError, match=match) as err:
-        hf_model_config(str(tmp_path))
-    assert "\n" not in str(err.value)
+    _refused_in_one_line(tmp_path, {**_QWEN2_MOE_JSON, **config}, match)
 
 
 def test_qwen2_export_errors_and_the_default_arch(tmp_path):

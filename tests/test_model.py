@@ -348,3 +348,62 @@ def test_causality():
     la, lb = model(a), model(b)
     np.testing.assert_allclose(la[:, :7], lb[:, :7], rtol=1e-6)
     assert not np.allclose(la[:, 7:], lb[:, 7:])
+
+
+# Remat full with the backward's weight-gradient stacks in the compute dtype (jaxperf.models.layer_scan)
+
+_COMPACT = dict(style="llama", d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, mlp_dim=128, vocab_size=256,
+                max_seq_len=32, dtype="bfloat16", param_dtype="float32", remat="full", tie_embeddings=False)
+
+
+def _loss_grads(cfg: ModelConfig, batch):
+    from jaxperf.models.gpt import gpt_loss
+
+    model = GPT(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        return gpt_loss(nnx.merge(graphdef, state), batch)[0]
+
+    return jax.jit(jax.grad(loss))(state), jax.make_jaxpr(jax.grad(loss))(state)
+
+
+def _reverse_scan_outputs(jaxpr) -> set[tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of what the reverse scans of `jaxpr` stack (the backward loop's gradients)."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and eqn.params["reverse"]:
+            out |= {(tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.outvars}
+        for p in eqn.params.values():  # inside jits and scans
+            inner = getattr(p, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                out |= _reverse_scan_outputs(inner)
+    return out
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param({}, id="dense"),
+    pytest.param(dict(round_weights_before_cast=True), id="rounded"),
+    pytest.param(dict(use_bias=False, qkv_bias=True, n_experts=4, n_shared_experts=1, shared_mlp_dim=96,
+                      shared_expert_gate=True, router_norm_topk=False), id="qwen2_moe"),
+])
+def test_layer_grads_stacked_in_the_compute_dtype_are_the_same_bits(extra):
+    """The backward loop stacks each cast weight's gradient in bf16 (the reverse scan's outputs), the norm scales',
+    the router's and the shared expert gate's (used in fp32) in fp32, and every gradient equals autodiff's remat-full
+    scan bit for bit."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
+    cfg = ModelConfig(**_COMPACT, **extra)
+    plain, plain_jaxpr = _loss_grads(dataclasses.replace(cfg, layer_grads_in_compute_dtype=False), batch)
+    compact, jaxpr = _loss_grads(dataclasses.replace(cfg, layer_grads_in_compute_dtype=True), batch)
+    want, got = jax.tree.leaves_with_path(plain), jax.tree.leaves(compact)
+    assert len(want) == len(got)
+    for (path, a), b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+    stacks = _reverse_scan_outputs(jaxpr.jaxpr)
+    assert ((3, 64, 4, 16), "bfloat16") in stacks and ((3, 64, 4, 16), "float32") not in stacks  # wq
+    assert ((3, 64), "float32") in stacks and ((3, 64), "bfloat16") not in stacks  # the norm scales
+    if extra.get("n_experts"):
+        assert ((3, 64, 4), "float32") in stacks and ((3, 64, 1), "float32") in stacks  # router, shared gate
+        assert ((3, 4, 64, 128), "bfloat16") in stacks  # the experts' w_in
+    assert ((3, 64, 4, 16), "bfloat16") not in _reverse_scan_outputs(plain_jaxpr.jaxpr)

@@ -196,6 +196,21 @@ def test_memory_estimate_sharding_and_advice():
     assert memory.live_device_memory() is None  # CPU keeps no counters
 
 
+def test_the_estimate_counts_layer_gradient_stacks_in_the_compute_dtype():
+    """With model.layer_grads_in_compute_dtype (remat full, bf16 over fp32 weights) the gradients part holds the cast
+    weights' stacks at 2 bytes a value (wq, wk, wv, wo, w_in, w_gate, w_out of 3 layers, split 8 ways by fsdp); the
+    norm scales stay at 4."""
+    base = get_config("tiny", ["style=llama", "d_model=64", "n_layers=3", "n_heads=4", "n_kv_heads=2", "mlp_dim=128",
+                               "max_seq_len=64", "batch_size=64", "dtype=bfloat16", "remat=full", "fsdp=8"])
+    plain, compact = (memory.estimate(memory._with(base, model={"layer_grads_in_compute_dtype": on}), 8)
+                      for on in (False, True))
+    cast_weights = 3 * (2 * 64 * 64 + 2 * 64 * 2 * 16 + 3 * 64 * 128)  # q and o, k and v, the MLP's three
+    assert plain.grads - compact.grads == cast_weights * 2 // 8
+    off = memory._with(base, model={"layer_grads_in_compute_dtype": True, "remat": "save_dots"})
+    assert memory.estimate(off, 8).grads == memory.estimate(memory._with(off, model={
+        "layer_grads_in_compute_dtype": False}), 8).grads  # only remat full runs the compact stacks
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # compile: cache, AOT, export / import
 

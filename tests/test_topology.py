@@ -148,6 +148,32 @@ def test_rounding_the_weights_before_the_cast_takes_the_stacked_copy_out_of_the_
     # (the two temp totals: equal with libtpu 0.0.50.1 at these widths, where the block's packing hides 16 MiB)
 
 
+def test_layer_gradient_stacks_in_bf16_shrink_the_tpu_program():
+    """Remat full over scanned bf16 layers: the TPU default (`model.layer_grads_in_compute_dtype`) stacks the cast
+    weights' gradients in bf16 inside the backward loop (bf16[8,128,2048] per MLP weight on each chip), the fp32
+    stacks of the plain scan are gone from the loop, the temporaries shrink, and the estimate's gradients part drops
+    by exactly those stacks' halves."""
+    common = ["--topology", "v5p:2x2x1", "--json", "--buffers", "60", "--preset", "llama-1b", "model.d_model=512",
+              "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8", "model.mlp_dim=2048", "model.remat=full",
+              "model.vocab_size=1024", "model.max_seq_len=256", "seq_len=256", "batch_size=16"]
+    runs = {}
+    for name, extra in (("default", []), ("fp32", ["model.layer_grads_in_compute_dtype=false"])):
+        out = _compile([*common, *extra], libtpu=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
+
+    def stacked(r, dtype):
+        return [e for e in r["buffers"]["largest"]["temp"]
+                if e["shape"] in (f"{dtype}[8,128,2048]", f"{dtype}[8,2048,128]")]
+
+    assert len(stacked(runs["default"], "bf16")) == 3, runs["default"]["buffers"]["largest"]["temp"]
+    assert stacked(runs["fp32"], "bf16") == [], runs["fp32"]["buffers"]["largest"]["temp"]
+    assert runs["default"]["bytes_per_chip"]["temp"] < runs["fp32"]["bytes_per_chip"]["temp"]
+    # the attention's four and the MLP's three weights of 8 layers, a quarter of each per chip, 2 bytes less a value
+    halves = 8 * (4 * 512 * 512 + 3 * 512 * 2048) * 2 // 4
+    assert runs["fp32"]["estimated_parts"]["grads"] - runs["default"]["estimated_parts"]["grads"] == halves
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Train steps compiled in this process for four v5p chips (two layers deep): every strategy as the jit step (GSPMD) and
 # as the shard_map step (collectives by hand) at tiny widths, and every preset once at its own widths and vocabulary.

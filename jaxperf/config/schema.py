@@ -104,6 +104,11 @@ class ModelConfig:
     # layer loop, a copy live through the step (Llama2-7B over 16 v5p chips: 809 MB per chip). None: the platform's
     # choice (jaxperf.models.platform): on TPU, elsewhere the plain cast
     round_weights_before_cast: bool | None = None
+    # remat=full over scanned layers: the backward loop stacks each layer's weight gradients in the compute dtype
+    # where that is exact (a weight used only through its cast, so its gradient is a cast-back compute-dtype value)
+    # and casts the stacks to param_dtype after the loop: the same bits, half the gradient stacks at the backward's
+    # peak (jaxperf.models.layer_scan). None: the platform's choice (jaxperf.models.platform): on TPU
+    layer_grads_in_compute_dtype: bool | None = None
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
     # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled
     # config runs the portable choices: XLA for every "auto", scan_unroll 1, no barrier.

@@ -19,6 +19,7 @@ from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
 from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup, remat_policy
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
+from jaxperf.models.layer_scan import remat_full_scan
 from jaxperf.models.moe import STATS, MoE, MoeStats, is_moe_layer
 from jaxperf.models.pipelined import pipeline_loss, zigzag_batch
 from jaxperf.models.platform import layers_per_iteration
@@ -38,6 +39,13 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
         return _block(cfg, r, 0)  # a stack is all dense or all MoE (validate_model refuses moe_every > 1 here)
 
     return make(rngs)
+
+
+def compact_layer_grads(cfg: ModelConfig) -> bool:
+    """Whether the scanned layers run `layer_scan.remat_full_scan` (model.layer_grads_in_compute_dtype): remat full,
+    a compute dtype narrower than the parameters'."""
+    return bool(cfg.layer_grads_in_compute_dtype) and cfg.remat == "full" and (
+        jnp.dtype(cfg.dtype).itemsize < jnp.dtype(cfg.param_dtype).itemsize)
 
 
 def _block(cfg: ModelConfig, rngs: nnx.Rngs, layer: int) -> Block:
@@ -103,7 +111,17 @@ class GPT(nnx.Module):
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
 
-        if cfg.scan_layers:
+        if cfg.scan_layers and compact_layer_grads(cfg):
+            # remat full with the backward's weight-gradient stacks in the compute dtype (jaxperf.models.layer_scan)
+            graphdef, state = nnx.split(self.blocks)
+
+            def layer(layer_state, x, pos, seg):
+                return nnx.merge(graphdef, hooks.layer_params(layer_state)).forward(x, pos, seg, hooks)
+
+            x_BxLxD, stats = remat_full_scan(layer, state, x_BxLxD, (positions_BxL, segment_ids_BxL),
+                                             unroll=layers_per_iteration(cfg), grad_dtype=jnp.dtype(cfg.dtype))
+            stats = [jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)] if stats else []
+        elif cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
 
             def body(x, layer_state):

@@ -17,6 +17,7 @@ Fields `settle` fills:
 | platform | the mesh's devices' platform |
 | keep_head_dims (None) | True on TPU (the attention projections keep [D, H, Dh]: the backward gathers each weight once, llama2-7b on v5p 1708 -> 1449 GB of HBM traffic per step), False elsewhere |
 | round_weights_before_cast (None) | True on TPU (each layer rounds its fp32 weight slice to bf16 bits before the cast, so the compiler makes no bf16 copy of the whole stacked weights before the layer loop: llama2-7b on 16 v5p chips 11.84 -> 11.03 GB per chip), False elsewhere |
+| layer_grads_in_compute_dtype (None) | True on TPU (remat full over scanned layers: each layer's weight gradients stacked in bf16 inside the backward loop, cast to fp32 after it, the same bits; llama2-7b on v6e:4x4 at 2 x 4096: 10.59 -> 9.82 GB per chip), False elsewhere |
 | matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
 | scan_unroll (None) | on GPU n_layers: the whole stack in one iteration, parameters still stacked (measured on an H100: gpt2-small 1.50x the tokens/s of a rolled scan in 0.64x the memory, llama-1b 1.10x; benchmarks/RESULTS.md, "GPU"); on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; on TPU 1 (one layer's recomputed activations live at a time) |
 | attention_impl, loss_impl, norm_impl, grouped_matmul_impl ("auto") | the table below, for the train step's shapes (sequence, dtype, heads, rows per device) |
@@ -74,7 +75,8 @@ class Choice:
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
     """`cfg` with its platform and the fields that depend on the platform alone settled (platform,
-    matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast); the implementations stay as they
+    matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast, layer_grads_in_compute_dtype); the
+    implementations stay as they
     are (`settle` picks them for a train step)."""
     _check(platform)
     if cfg.platform is not None and cfg.platform != platform:
@@ -89,6 +91,8 @@ def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
         changes["keep_head_dims"] = platform == "tpu"
     if cfg.round_weights_before_cast is None:
         changes["round_weights_before_cast"] = platform == "tpu"
+    if cfg.layer_grads_in_compute_dtype is None:
+        changes["layer_grads_in_compute_dtype"] = platform == "tpu"
     return dataclasses.replace(cfg, **changes)
 
 
