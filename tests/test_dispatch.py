@@ -4,6 +4,8 @@ TPU slice on this CPU machine that gets the Mosaic flash-attention kernel and th
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -96,6 +98,24 @@ def test_layer_weights_are_rounded_before_the_cast_on_tpu_unless_set():
     assert plat.for_platform(off, "tpu").round_weights_before_cast is False
     on = get_config("tiny", ["model.round_weights_before_cast=true"]).model
     assert plat.for_platform(on, "cpu").round_weights_before_cast is True
+
+
+def test_layer_gradients_stack_in_the_compute_dtype_on_tpu_unless_set():
+    """On TPU remat full stacks the weight gradients in the compute dtype (jaxperf.models.layer_scan); elsewhere
+    autodiff's scan; a set value stays. The model takes that path only with remat full and a narrower compute
+    dtype."""
+    from jaxperf.models.gpt import compact_layer_grads
+
+    tiny = get_config("tiny", ["model.remat=full", "model.dtype=bfloat16"]).model
+    assert tiny.layer_grads_in_compute_dtype is None and not compact_layer_grads(tiny)
+    assert [plat.for_platform(tiny, p).layer_grads_in_compute_dtype for p in ("tpu", "cpu", "gpu")] == [
+        True, False, False]
+    assert compact_layer_grads(plat.for_platform(tiny, "tpu"))
+    off = get_config("tiny", ["model.layer_grads_in_compute_dtype=false"]).model
+    assert plat.for_platform(off, "tpu").layer_grads_in_compute_dtype is False
+    tpu = plat.for_platform(tiny, "tpu")
+    assert not compact_layer_grads(dataclasses.replace(tpu, remat="save_dots"))
+    assert not compact_layer_grads(dataclasses.replace(tpu, dtype="float32"))
 
 
 def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
