@@ -331,3 +331,28 @@ def test_cli_train_with_shard_map_flavour(tmp_path):
     assert sorted(losses) == [1, 2, 3] and all(np.isfinite(list(losses.values()))), losses
     assert 5.0 < losses[1] < 6.0, losses  # ~ln(256) at initialisation
     assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+
+
+@pytest.mark.parametrize("model,parallel", [
+    pytest.param({}, dict(strategy="fsdp", flavour="shard_map", data=1, fsdp=8), id="shard_map-fsdp"),
+    pytest.param({}, dict(strategy="fsdp", data=1, fsdp=4, seq=2), id="ring-seq2", marks=pytest.mark.slow),
+    pytest.param(dict(n_experts=8, n_shared_experts=1, shared_expert_gate=True),
+                 dict(strategy="dp", data=2, fsdp=1, expert=4), id="moe-expert4", marks=pytest.mark.slow),
+])
+def test_layer_gradient_stacks_in_the_compute_dtype_change_no_bit_of_a_sharded_step(model, parallel):
+    """model.layer_grads_in_compute_dtype (the TPU default; jaxperf.models.layer_scan) where the layers carry hooks:
+    gathered and reduce-scattered by hand, attention around a ring, experts behind an all-to-all. Two steps give the
+    parameters of autodiff's remat-full scan, bit for bit."""
+    base = ModelConfig(style="llama", d_model=64, n_layers=2, n_heads=4, max_seq_len=32, vocab_size=256,
+                       dtype="bfloat16", remat="full", **model)
+    params = []
+    for on in (False, True):
+        task = make_task(dataclasses.replace(base, layer_grads_in_compute_dtype=on), ParallelConfig(**parallel),
+                         optim=OptimConfig(lr=1e-3, warmup_steps=0))
+        state, step = task.init_state(), task.train_step()
+        for batch in random_batches(2, batch=16, seq=32):
+            state, _ = step(state, jax.device_put(batch, task.batch_sharding()))
+        params.append(flat(state.params))
+    assert params[0].keys() == params[1].keys()
+    for k in params[0]:
+        np.testing.assert_array_equal(np.asarray(params[0][k]), np.asarray(params[1][k]), err_msg=k)
