@@ -3,8 +3,9 @@
     y, stats = remat_full_scan(layer, state, x, (positions, segment_ids), grad_dtype=jnp.bfloat16)
 
 `layer(state_i, x, *args) -> (y, stats)` is one layer on its parameters' slice; `state` holds every layer's parameters
-stacked on a leading axis, `args` what every layer also reads and nothing differentiates (positions, segment ids). The forward is `lax.scan` keeping each layer's input; the backward is a reverse scan
-that recomputes each layer from its input and pulls its gradients back (what `jax.checkpoint` with remat "full" does).
+stacked on a leading axis, `args` what every layer also reads and nothing differentiates (positions, segment ids).
+The forward is `lax.scan` keeping each layer's input; the backward is a reverse scan that recomputes each layer from
+its input and pulls its gradients back (what `jax.checkpoint` with remat "full" does).
 The difference is the buffer the backward loop writes each layer's weight gradients into: autodiff's scan stacks
 them in the parameters' dtype (fp32: the stacks of every layer's gradients, 1.5 GiB per chip for a Llama-2-7B over 16
 chips, are live at the backward's peak), this one stacks in `grad_dtype` every gradient that is exactly
@@ -25,7 +26,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Operations that move or relabel values without computing new ones
 _LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim", "copy", "copy_p",
@@ -112,11 +112,3 @@ def remat_full_scan(layer: Callable, state: Any, x: jax.Array, args: tuple = (),
     run.defvjp(run_fwd, run_bwd)
     return run(state, x, args)
 
-
-def stacked_grad_saving(layer: Callable, state: Any, x: jax.Array, args: tuple, dtype) -> float:
-    """Bytes `remat_full_scan` saves on the stacked gradients of `state` ([N, ...] leaves, or ShapeDtypeStructs):
-    the leaves whose gradients it stacks in `dtype`, at their dtype's size less `dtype`'s."""
-    one = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[1:], t.dtype), state)
-    flags = exact_grads(layer, one, x, args, dtype)
-    return float(sum(np.prod(t.shape) * (jnp.dtype(t.dtype).itemsize - jnp.dtype(dtype).itemsize)
-                     for t, c in zip(jax.tree.leaves(state), jax.tree.leaves(flags)) if c))
