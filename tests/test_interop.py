@@ -233,6 +233,18 @@ def _hub_tensors(directory) -> dict:
     return {k: v for f in files for k, v in load_file(str(directory / f)).items()}
 
 
+def _reloads_as_the_source(torch, transformers, dst, hf_model, tokens, ref, source: dict) -> None:
+    """The exported directory `dst` loads in transformers as `hf_model`'s class with its logits `ref`, and holds the
+    `source` tensors under their names, bit for bit."""
+    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert type(back) is type(hf_model)
+    np.testing.assert_allclose(_hf_logits(torch, back, tokens), ref, atol=1e-5, rtol=1e-5)
+    out = _hub_tensors(dst)
+    assert set(out) == set(source)
+    for name, value in out.items():
+        np.testing.assert_array_equal(value, source[name], err_msg=name)
+
+
 def test_mixtral_roundtrip(tmp_path):
     """transformers' Mixtral (saved with the experts in the hub layout, sharded) -> jaxperf (scanned and looped
     layers): the same logits; jaxperf -> export -> transformers: the same logits and, bit for bit, the same tensors
@@ -256,13 +268,7 @@ def test_mixtral_roundtrip(tmp_path):
     written = json.loads((dst / "config.json").read_text())
     assert (written["architectures"], written["num_local_experts"], written["num_experts_per_tok"],
             written["intermediate_size"]) == (["MixtralForCausalLM"], 4, 2, 24)
-    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    assert type(back) is type(hf_model)
-    np.testing.assert_allclose(_hf_logits(torch, back, tokens), ref, atol=1e-5, rtol=1e-5)
-    out = _hub_tensors(dst)
-    assert set(out) == set(source)
-    for name, value in out.items():
-        np.testing.assert_array_equal(value, source[name], err_msg=name)
+    _reloads_as_the_source(torch, transformers, dst, hf_model, tokens, ref, source)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -442,13 +448,7 @@ def test_qwen2_moe_roundtrip(tmp_path, norm_topk):
     written = json.loads((dst / "config.json").read_text())
     assert (written["architectures"], written["norm_topk_prob"], written["shared_expert_intermediate_size"]) == (
         ["Qwen2MoeForCausalLM"], norm_topk, 40)
-    back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
-    assert type(back) is type(hf_model)
-    np.testing.assert_allclose(_hf_logits(torch, back, tokens), ref, atol=1e-5, rtol=1e-5)
-    out = _hub_tensors(dst)
-    assert set(out) == set(source)
-    for name, value in out.items():
-        np.testing.assert_array_equal(value, source[name], err_msg=name)
+    _reloads_as_the_source(torch, transformers, dst, hf_model, tokens, ref, source)
 
 
 _QWEN2_MOE_JSON = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": V,
