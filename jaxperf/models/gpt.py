@@ -108,27 +108,23 @@ class GPT(nnx.Module):
         def apply(graphdef, state, x, pos, seg):
             return nnx.merge(graphdef, hooks.layer_params(state)).forward(x, pos, seg, hooks)
 
+        plain_apply = apply
         if cfg.remat != "none":
             apply = jax.checkpoint(apply, policy=policy, static_argnums=(0,))
 
-        if cfg.scan_layers and compact_layer_grads(cfg):
-            # remat full with the backward's weight-gradient stacks in the compute dtype (jaxperf.models.layer_scan)
+        if cfg.scan_layers:
             graphdef, state = nnx.split(self.blocks)
+            if compact_layer_grads(cfg):
+                # remat full with the backward's weight-gradient stacks in the compute dtype (models.layer_scan)
+                x_BxLxD, stats = remat_full_scan(
+                    lambda s, x, pos, seg: plain_apply(graphdef, s, x, pos, seg), state, x_BxLxD,
+                    (positions_BxL, segment_ids_BxL), unroll=layers_per_iteration(cfg), grad_dtype=jnp.dtype(cfg.dtype))
+            else:
+                def body(x, layer_state):
+                    return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL)
 
-            def layer(layer_state, x, pos, seg):
-                return nnx.merge(graphdef, hooks.layer_params(layer_state)).forward(x, pos, seg, hooks)
-
-            x_BxLxD, stats = remat_full_scan(layer, state, x_BxLxD, (positions_BxL, segment_ids_BxL),
-                                             unroll=layers_per_iteration(cfg), grad_dtype=jnp.dtype(cfg.dtype))
-            stats = [jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)] if stats else []
-        elif cfg.scan_layers:
-            graphdef, state = nnx.split(self.blocks)
-
-            def body(x, layer_state):
-                return apply(graphdef, layer_state, x, positions_BxL, segment_ids_BxL)
-
+                x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg))
             # every layer's MoE stats come out as the scan's stacked outputs ({} for dense layers)
-            x_BxLxD, stats = jax.lax.scan(body, x_BxLxD, state, unroll=layers_per_iteration(cfg))
             stats = [jax.tree.map(lambda v: jnp.mean(v, axis=0), stats)] if stats else []
         else:
             stats = []
