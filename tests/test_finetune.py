@@ -286,6 +286,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
     return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
 
 
+@pytest.mark.slow
 def test_readers_of_a_run_change_nothing_in_it(tmp_path):
     """export, generate, quantize and init_from read a run whose newest step is corrupt from the step before it and
     leave the run as it was (no `.corrupt` renames: only the run that holds the directory moves steps aside); with no

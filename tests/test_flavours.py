@@ -320,6 +320,7 @@ def test_trainer_with_pmap_matches_single_device_and_resumes_under_jit(tmp_path,
     np.testing.assert_array_equal(np.asarray(emb), np.asarray(state.params["embed_VxD"]))
 
 
+@pytest.mark.slow
 def test_cli_train_with_shard_map_flavour(tmp_path):
     out = run_cli(tmp_path, "train", *SMALL_RUN, "max_steps=3", "parallel.flavour=shard_map", "run_dir=run",
                   devices=4)

@@ -84,7 +84,8 @@ def one_device():
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in ("seq4_data2_contiguous", "tensor2_stage2_seq2") else n
+    pytest.param(n, marks=pytest.mark.slow) if n in ("stage2_data4_gpipe", "seq4_data2_contiguous", "tensor2_stage2_seq2")
+    else n
     for n in CASES])
 def test_matches_one_device_and_shards_as_written(name, one_device):
     parallel, microbatches, packed = CASES[name]
@@ -125,6 +126,7 @@ def _temp_bytes(schedule: str) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_1f1b_holds_less_than_gpipe_in_the_compiled_step():
     """Same 16 microbatches over 4 stages: GPipe keeps all 16 stage inputs until the backward, 1F1B (one forward and
     one backward per tick) at most 2 x 4."""

@@ -286,6 +286,7 @@ def test_the_train_loss_is_the_cross_entropy_plus_the_weighted_router_losses():
     np.testing.assert_allclose(float(ce_aux["metrics"]["moe_aux_loss"]), float(m["moe_aux_loss"]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_mixed_layers_in_a_python_loop_with_remat_and_capacity():
     model = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=32, n_experts=4, moe_every=2,
                         scan_layers=False, remat="full", capacity_factor=1.0, style="llama", n_shared_experts=1,
@@ -298,6 +299,7 @@ def test_mixed_layers_in_a_python_loop_with_remat_and_capacity():
     assert np.isfinite(float(m["loss"])) and 0.0 <= float(m["moe_dropped_fraction"]) < 1.0, m
 
 
+@pytest.mark.slow
 def test_the_kv_cache_forward_matches_the_full_forward():
     model = GPT(ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, n_experts=4, init_std=0.2),
                 rngs=nnx.Rngs(0))

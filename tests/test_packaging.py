@@ -10,10 +10,13 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_jaxperf_bench_runs_from_an_installed_wheel(tmp_path):
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                             str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True, timeout=300)

@@ -100,6 +100,7 @@ def test_strategy_matches_single_device(name, single_device):
             assert shard == SHARD_SHAPES[path][col], f"{name}: {label} {path} shard {shard} != {SHARD_SHAPES[path][col]}"
 
 
+@pytest.mark.slow
 def test_gqa_llama_under_fsdp_tp():
     """Llama style with 4 query heads per KV head: shards KV heads over tensor, and matches one device."""
     llama = ModelConfig(style="llama", d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, max_seq_len=32)

@@ -93,6 +93,7 @@ def _fake_run(tmp_path, seed=0):
     return run, model
 
 
+@pytest.mark.slow
 def test_a_quantized_checkpoint_serves_and_a_damaged_scale_is_refused(tmp_path, capsys):
     run, model = _fake_run(tmp_path)
     out = tmp_path / "int8"

@@ -120,13 +120,14 @@ def _host(tree):
     return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
-# The mirror images of the first and fourth moves are slow tests: one Python version runs them.
+# One move onto fewer devices runs at both ends of the jax range; the others are slow tests: one Python version runs
+# them.
 @pytest.mark.parametrize("first, second", [
     pytest.param(("8", []), ("4", []), id="8to4"),
     pytest.param(("4", []), ("8", []), id="4to8", marks=pytest.mark.slow),
-    pytest.param(("8", []), ("8", ["parallel.data=2", "parallel.fsdp=4"]), id="1dto2d"),
+    pytest.param(("8", []), ("8", ["parallel.data=2", "parallel.fsdp=4"]), id="1dto2d", marks=pytest.mark.slow),
     pytest.param(("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]), ("8", ["model.n_layers=2"]),
-                 id="stage2_to_fsdp"),
+                 id="stage2_to_fsdp", marks=pytest.mark.slow),
     pytest.param(("8", ["model.n_layers=2"]), ("8", ["model.n_layers=2", "parallel.stage=2", "microbatches=2"]),
                  id="fsdp_to_stage2", marks=pytest.mark.slow),
 ])

@@ -84,6 +84,7 @@ def test_a_second_run_on_a_locked_run_dir_is_refused_and_changes_nothing(tmp_pat
     assert sorted(steps) == list(range(1, max(steps) + 1))  # one writer: every step once, in order
 
 
+@pytest.mark.slow
 def test_a_lock_left_by_a_dead_process_does_not_block_the_next_run(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -96,6 +97,7 @@ def test_a_lock_left_by_a_dead_process_does_not_block_the_next_run(tmp_path):
 # 2. resume=false on a run directory that holds checkpoints
 
 
+@pytest.mark.slow
 def test_resume_false_on_an_earlier_run_is_refused_and_start_over_moves_it_aside(tmp_path):
     assert _train(tmp_path, "max_steps=2", "run_dir=run", devices=1).returncode == 0
     before = _snapshot(tmp_path / "run")
