@@ -5,6 +5,7 @@ dropped."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -88,6 +89,91 @@ def test_capacity_drops_exactly_the_slots_past_it_in_priority_order():
     np.testing.assert_array_equal(keep, expected_keep)
     assert not keep[0, cap:].any()  # device 0's slots all go to expert 5: only the first `cap` are kept
     np.testing.assert_allclose(y, np.where(expected_keep[..., None], x * (experts + 1)[..., None], 0.0), rtol=1e-6)
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                                axis_name):
+    """`jax.lax.ragged_all_to_all` as its docstring defines it, from all_gather (XLA:CPU has no ragged all-to-all):
+    sender i's rows [input_offsets_i[j], + send_sizes_i[j]) land in device j's output from output_offsets_i[j] on,
+    the other rows of `output` stay. A `recv_sizes` that disagrees with what the senders send poisons the output."""
+    n, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    ops, ins, sizes, outs = (jax.lax.all_gather(a, axis_name) for a in (operand, input_offsets, send_sizes,
+                                                                        output_offsets))
+    p = jnp.arange(operand.shape[0])
+    for i in range(n):
+        dst = jnp.where(p < sizes[i, me], outs[i, me] + p, output.shape[0])  # past the rows sent: dropped
+        output = output.at[dst].set(ops[i][jnp.clip(ins[i, me] + p, 0, operand.shape[0] - 1)], mode="drop")
+    return jnp.where(jnp.all(recv_sizes == sizes[:, me]), output, jnp.full_like(output, -7))
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_the_ragged_all_to_all_fills_the_dense_blocks_and_differentiates_alike(skewed, monkeypatch):
+    """Dropless, top-2 slots: the ragged dispatch receives the dense one's blocks row for row (empty rows zero, with
+    the empty expert id), the combine returns the same outputs, and the gradients through both are equal. The
+    collective is the emulation above: what is checked is the offsets and sizes handed to it."""
+    monkeypatch.setattr(ep, "_ragged_all_to_all", _emulated_ragged_all_to_all)
+    k = 2
+    rng = np.random.default_rng(2)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(N * S // k)]).reshape(N, S).astype(np.int32)
+    if skewed:  # device 0's tokens all choose experts 4 and 5 (device 2): its other blocks stay empty
+        experts[0] = np.tile([4, 5], S // k)
+    x = rng.normal(size=(N, S, D)).astype(np.float32)
+    mesh = _compat.make_mesh((N,), ("expert",), devices=jax.devices()[:N])
+
+    def body(experts_S, x_SxD, w_D, ragged):
+        plan = ep.send_plan(experts_S[0], N, E // N, slots_per_token=k)
+        rows_x, rows_e = ep.dispatch(x_SxD[0], plan, "expert", ragged=ragged)
+        rows_y = jnp.tanh(rows_x * w_D[None]) * (rows_e + 1)[:, None]
+        y_SxD = ep.combine(rows_y, plan, "expert", ragged=ragged)
+        return rows_x[None], rows_e[None], y_SxD[None]
+
+    def run(ragged):
+        f = _compat.shard_map(functools.partial(body, ragged=ragged), mesh=mesh,
+                              in_specs=(P("expert"), P("expert"), P()), out_specs=P("expert"))
+        loss = lambda x, w: jnp.sum(f(experts, x, w)[2] ** 2)  # noqa: E731
+        w = jnp.linspace(0.5, 1.5, D, dtype=jnp.float32)
+        return jax.jit(f)(experts, x, w), jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+    (rows_x, rows_e, y), grads = run(ragged=True)
+    (dense_x, dense_e, dense_y), dense_grads = run(ragged=False)
+    np.testing.assert_array_equal(np.asarray(rows_e), np.asarray(dense_e))
+    np.testing.assert_array_equal(np.asarray(rows_x), np.asarray(dense_x))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_y), rtol=1e-6)
+    assert np.asarray(y).any(axis=-1).all()  # every slot came back
+    for g, dense_g in zip(grads, dense_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(dense_g), rtol=1e-5, atol=1e-6)
+    if skewed:  # device 2 takes a full block from device 0 (S / k tokens of min(k, E / N) = 2 slots), the others none
+        rows_e = np.asarray(rows_e).reshape(N, N, S)
+        assert (rows_e[2, 0] < E // N).all() and (rows_e[[0, 1, 3], 0] == E // N).all()
+    with pytest.raises(ValueError, match="dropless plan"):
+        plan = ep.send_plan(jnp.asarray(experts[0]), N, E // N, capacity=2)
+        jax.eval_shape(lambda: _compat.shard_map(
+            lambda e: ep.dispatch(jnp.zeros((S, D)), plan, "expert", ragged=True)[1][None], mesh=mesh,
+            in_specs=P("expert"), out_specs=P("expert"))(experts))
+
+
+def test_the_ragged_paths_backward_sums_nothing_over_the_expert_axis():
+    """jax.lax.ragged_all_to_all's result takes the type of its output buffer: a buffer that does not vary over the
+    axis makes the received rows unvarying, and autodiff then psums their cotangent over the experts' devices (wrong
+    gradients, and on Mixtral-8x7B over expert=8 37 GB more all-reduce a step). The buffers vary like the data, so the
+    backward holds the psums of the dense path and no more. Traced only: XLA:CPU cannot compile the collective."""
+    mesh = _compat.make_mesh((N,), ("expert",), devices=jax.devices()[:N])
+    experts = np.random.default_rng(3).integers(0, E, (N, S)).astype(np.int32)
+
+    def psums(ragged):
+        def body(experts_S, x_SxD, w_D):
+            plan = ep.send_plan(experts_S[0], N, E // N)
+            rows_x, _ = ep.dispatch(x_SxD[0], plan, "expert", ragged=ragged)
+            assert "expert" in _compat.varying_axes(rows_x)
+            return ep.combine(jnp.tanh(rows_x * w_D[None]), plan, "expert", ragged=ragged)[None]
+
+        f = _compat.shard_map(body, mesh=mesh, in_specs=(P("expert"), P("expert"), P()), out_specs=P("expert"))
+        grad = jax.grad(lambda x, w: jnp.sum(f(experts, x, w) ** 2), argnums=(0, 1))
+        jaxpr = str(jax.make_jaxpr(grad)(np.ones((N, S, D), np.float32), np.ones(D, np.float32)))
+        return len(re.findall(r"\bpsum\w*\[", jaxpr)), jaxpr.count("ragged_all_to_all")
+
+    (ragged, n_ragged), (dense, _) = psums(True), psums(False)
+    assert n_ragged >= 4 and ragged == dense == 1  # the replicated weight's gradient, summed over the axis
 
 
 def test_group_rows_sorts_by_expert_and_leaves_empty_rows_out():
@@ -221,3 +307,9 @@ def test_the_start_up_line_counts_slots_per_expert_and_all_to_all_bytes():
     assert "(32 rows per block)" in moe.describe(capped, {"data": 2, "expert": 4})  # 2 experts x C = 64 x 2 / 8
     # one expert per device: a token sends at most one of its two slots to each, so a block is 64 tokens' 64 rows
     assert "(64 rows per block)" in moe.describe(cfg, {"data": 1, "fsdp": 1, "expert": 8})
+    # settled for TPU: ragged, the 128 slots a device routes less the quarter it keeps, under balanced routing
+    ragged = 4 * 2 * 128 * 3 / 4 * (64 * 4 + 4)
+    assert moe.describe(cfg, {"data": 2, "fsdp": 1, "expert": 4}, "tpu").endswith(
+        f"; ragged all-to-all {ragged / 2**20:.1f} MiB sent per device per step with balanced routing (blocks of "
+        f"128 rows received)")
+    assert "capacity factor 1; all-to-all" in moe.describe(capped, {"data": 2, "expert": 4}, "tpu")

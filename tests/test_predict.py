@@ -245,6 +245,24 @@ ENTRY %main (b: s8[{whole}]) -> s8[{piece}] {{
     assert hlo_costs(to_hbm).hbm_bytes == 2 * piece
 
 
+def test_a_ragged_all_to_all_counts_the_smaller_of_its_data_and_output_buffers():
+    """Expert parallelism's dispatch sends 512 routed rows of a device into blocks with room for 2,048 (four senders'
+    worst case); its combine sends what arrived back from those blocks. Under balanced routing each moves 512 rows,
+    (n-1)/n of them over the links; the offsets and sizes are not data."""
+    hlo = """HloModule m
+
+ENTRY %main (x: bf16[512,1024], o: bf16[2048,1024], s: s32[4]) -> bf16[512,1024] {
+  %x = bf16[512,1024]{1,0} parameter(0)
+  %o = bf16[2048,1024]{1,0} parameter(1)
+  %s = s32[4]{0} parameter(2)
+  %d = bf16[2048,1024]{1,0} ragged-all-to-all(%x, %o, %s, %s, %s, %s), replica_groups={{0,1,2,3}}
+  ROOT %c = bf16[512,1024]{1,0} ragged-all-to-all(%d, %x, %s, %s, %s, %s), replica_groups={{0,1,2,3}}
+}
+"""
+    c = hlo_costs(hlo).collectives["ragged-all-to-all"]
+    assert c["ops"] == 2 and c["bytes"] == 2 * 512 * 1024 * 2 and c["wire_bytes"] == 2 * 3 / 4 * 512 * 1024 * 2
+
+
 def test_group_sizes_and_shapes():
     assert group_size("replica_groups=[2,16]<=[32]", 32) == 16
     assert group_size("replica_groups={{0,1},{2,3}}", 4) == 2

@@ -218,16 +218,17 @@ def _state_bytes_per_chip(cfg, topology: str) -> tuple[int, int]:
     return shard, whole
 
 
-def _compile_preset(preset: str, strategy: str, flavour: str):
+def _compile_preset(preset: str, strategy: str, flavour: str, mesh: dict | None = None) -> dict:
     from jaxperf.config import get_config
     from jaxperf.train.topology import compile_for_topology
 
     libtpu_pythonpath()  # skips (or fails under JAXPERF_REQUIRE_LIBTPU=1) without libtpu; puts it on sys.path
+    mesh = mesh or MESHES[strategy]
     cfg = get_config(preset, {"model.n_layers": 2, "batch_size": 8, "seq_len": 128, "parallel.strategy": strategy,
-                              "parallel.flavour": flavour, **MESHES[strategy]})
+                              "parallel.flavour": flavour, **mesh})
     r = compile_for_topology(cfg, "v5p:2x2x1")
     want = {"data": 1, "stage": 1, "fsdp": 1, "expert": 1, "seq": 1, "tensor": 1}
-    want.update({k.split(".")[1]: v for k, v in MESHES[strategy].items()})
+    want.update({k.split(".")[1]: v for k, v in mesh.items()})
     assert r["chips"] == 4 and r["mesh"] == want and r["flavour"] == flavour, r
     b = r["bytes_per_chip"]
     assert b["arguments"] > 0 and b["temp"] > 0 and b["code"] > 0, b
@@ -240,6 +241,7 @@ def _compile_preset(preset: str, strategy: str, flavour: str):
         assert shard == whole and b["arguments"] >= whole, (shard, whole, b["arguments"])
     else:
         assert shard < 0.6 * whole and b["arguments"] < whole, (strategy, shard, whole, b["arguments"])
+    return r
 
 
 @pytest.mark.slow
@@ -256,6 +258,13 @@ def test_every_strategy_and_flavour_compiles_for_a_v5p_slice(strategy, flavour):
 @pytest.mark.parametrize("preset", [p for p in PRESET_NAMES if p not in NOT_COMPILED])
 def test_every_preset_compiles_for_a_v5p_slice_at_its_own_widths(preset):
     """Each preset's widths, heads and vocabulary split both ways at once (fsdp x tensor), with the collectives
-    written by hand: the strictest of the strategies for widths that must divide over the chips."""
-    # MoE layers run under the jit flavour only (validate refuses the others)
-    _compile_preset(preset, "fsdp_tp", "jit" if preset == "moe-tiny" else "shard_map")
+    written by hand: the strictest of the strategies for widths that must divide over the chips. The MoE preset
+    splits its experts over expert x fsdp instead (the jit flavour: validate refuses the others), its tokens sent
+    with the ragged all-to-all TPU settles on."""
+    if preset != "moe-tiny":
+        _compile_preset(preset, "fsdp_tp", "shard_map")
+        return
+    r = _compile_preset(preset, "fsdp", "jit", {"parallel.expert": 2, "parallel.fsdp": 2})
+    collectives = r["prediction"]["collectives"]
+    assert collectives["ragged-all-to-all"]["ops"] > 0, collectives
+    assert collectives.get("all-to-all", {"bytes": 0})["bytes"] < 1e4, collectives  # only sizes and offsets

@@ -137,6 +137,10 @@ class ModelConfig:
     # kernel on TPU), tiled = fixed tiles of rows as one batched matmul, loop = a loop of plain matmuls over each
     # expert's chunks of rows. auto: loop on CPU, xla elsewhere
     grouped_matmul_impl: GroupedMatmulImpl = "auto"
+    # Dropless expert parallelism sends each device's token slots to their experts and back with a ragged all-to-all
+    # (jax.lax.ragged_all_to_all: only the rows routed cross the links) instead of one block of the worst case per
+    # device. None: true on TPU and GPU, false on CPU (XLA:CPU has no ragged all-to-all)
+    ragged_all_to_all: bool | None = None
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the train loss
     router_z_loss_coef: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)
 

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxperf import _compat
 from jaxperf.models.hooks import DEFAULT_HOOKS, LayerHooks
 from jaxperf.models.layers import MLP, _param, _zeros, to_compute
+from jaxperf.models.platform import for_platform
 from jaxperf.models.registry import implementation, register
 from jaxperf.parallel import expert as ep
 from jaxperf.parallel.rules import activation_spec, param_spec
@@ -177,6 +178,7 @@ class MoE(nnx.Module):
         self.gmm_impl, self.platform = cfg.grouped_matmul_impl, cfg.platform
         # with the looped grouped matmul (XLA:CPU's), the slots are sorted and unsorted by gathers (`_permute_rows`)
         self.gather_rows = cfg.grouped_matmul_impl == "loop"
+        self.ragged = bool(cfg.ragged_all_to_all)  # dropless expert parallelism only (jaxperf.parallel.expert)
         w_in, w_out, b_in, b_out = _WEIGHT_AXES[0], _WEIGHT_AXES[2], _WEIGHT_AXES[3], _WEIGHT_AXES[4]
         self.router_DxE = _param(rngs, init, (D, E), _ROUTER_AXES, pd)
         self.w_in_ExDxF = _param(rngs, init, (E, D, F), w_in, pd)
@@ -227,7 +229,7 @@ class MoE(nnx.Module):
         x_spec = activation_spec(("batch", "seq", "embed"), x_BxLxD.shape) or P()
         token_axes = tuple(a for dim in x_spec for a in ((dim,) if isinstance(dim, str) else (dim or ())))
         k, router, factor, act, gather_rows = self.k, self.router, self.capacity_factor, self.act, self.gather_rows
-        norm_topk = self.norm_topk
+        norm_topk, ragged = self.norm_topk, self.ragged and not self.capacity_factor
         E = self.w_in_ExDxF.shape[0]
         gmm = self._grouped_matmul(x_BxLxD)
 
@@ -244,9 +246,9 @@ class MoE(nnx.Module):
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
             plan = ep.send_plan(experts_TxK.reshape(T * k), n, E // n, capacity=cap, priority_S=priority,
                                 slots_per_token=k)
-            rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis)
+            rows_x, rows_e = ep.dispatch(jnp.repeat(x_TxD, k, axis=0), plan, axis, ragged=ragged)
             rows_y = _expert_mlp(rows_x, rows_e, weights, act, gmm, gather_rows)
-            out_SxD = ep.combine(rows_y, plan, axis)
+            out_SxD = ep.combine(rows_y, plan, axis, ragged=ragged)
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
             # the router losses of the whole batch
             dropped = 1.0 - jnp.mean(plan.keep_S.astype(jnp.float32))
@@ -734,12 +736,14 @@ register("grouped_matmul", "tiled", tiled_grouped_matmul)
 register("grouped_matmul", "loop", looped_grouped_matmul)
 
 
-def describe(cfg, mesh_shape) -> str:
+def describe(cfg, mesh_shape, platform: str | None = None) -> str:
     """The start-up line of an MoE run (`cfg` a TrainConfig): experts per device, token slots per expert in a step
     (on average: dropless takes them all, a capacity at most its C per device's group), and with `expert` > 1 the
     bytes each device sends by all-to-all per step (dispatch and combine, forward and backward: 4 per MoE layer and
     microbatch, the dense blocks of jaxperf.parallel.expert, less the block a device keeps; dropless, a block holds
-    min(k, E / n) slots of each of a device's tokens)."""
+    min(k, E / n) slots of each of a device's tokens). With the ragged all-to-all (`model.ragged_all_to_all`, as
+    settled for the mesh's platform: `platform`) the dropless bytes are those of the routed slots under balanced
+    routing, (n - 1) / n of a device's slots."""
     m = cfg.model.resolved()
     n = int(mesh_shape.get("expert", 1))
     layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))
@@ -755,7 +759,13 @@ def describe(cfg, mesh_shape) -> str:
         local = tokens // groups  # a device's tokens in one microbatch
         rows = (m.n_experts // n * capacity(local, m.experts_per_token, m.n_experts, m.capacity_factor)
                 if m.capacity_factor else ep.dropless_block_rows(local, m.experts_per_token, m.n_experts // n))
-        block = rows * (m.d_model * jnp.dtype(m.dtype).itemsize + 4)  # the rows and their expert ids
-        sent = 4 * layers * cfg.microbatches * (n - 1) * block
-        line += f"; all-to-all {sent / 2**20:.1f} MiB sent per device per step ({rows} rows per block)"
+        row = m.d_model * jnp.dtype(m.dtype).itemsize + 4  # a row and its expert id
+        ragged = not m.capacity_factor and (for_platform(m, platform) if platform else m).ragged_all_to_all
+        if ragged:
+            sent = 4 * layers * cfg.microbatches * local * m.experts_per_token * (n - 1) / n * row
+            line += (f"; ragged all-to-all {sent / 2**20:.1f} MiB sent per device per step with balanced routing "
+                     f"(blocks of {rows} rows received)")
+        else:
+            sent = 4 * layers * cfg.microbatches * (n - 1) * rows * row
+            line += f"; all-to-all {sent / 2**20:.1f} MiB sent per device per step ({rows} rows per block)"
     return line

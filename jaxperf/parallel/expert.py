@@ -12,9 +12,12 @@ data-parallel axis, each device routes its own tokens, then:
 A device sends each other device one block of `plan.rows` rows. Dropless (`capacity=None`), a block has room for all
 the slots the sender can route to one device, whatever the routing: its S slots, or, told that they are T tokens of k
 slots each with k distinct experts (`slots_per_token`, as top-k routes), T x min(k, E/n), since a token sends at most
-one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device (the dense all-to-all the
-CPU runs; a ragged all-to-all would send only the rows routed, and XLA:CPU has none). Mixtral (8 experts, top-2) over
-expert=8: blocks of T rows, half of S. With a capacity C per expert (GShard) a block holds E/n x C rows, slot rank
+one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device. With `ragged=True` (TPU
+and GPU; XLA:CPU has no ragged all-to-all) the dropless dispatch and combine send only the rows routed, with
+`jax.lax.ragged_all_to_all`: the send buffer holds the S slots in destination order instead of n blocks, the receive
+buffer keeps the blocks' layout (rows past what a sender routed stay empty), and the links carry S rows a device
+instead of n x rows. Mixtral (8 experts, top-2) over expert=8: blocks of T rows, half of S; dense, 8 blocks (4 x S)
+leave each device, ragged S. With a capacity C per expert (GShard) a block holds E/n x C rows, slot rank
 within its expert decides who is dropped (every token's first choice before any token's second), and a dropped
 slot's output is zero: the residual carries the token.
 
@@ -28,12 +31,14 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxperf import _compat
+
 
 @dataclass(frozen=True)
 class SendPlan:
     """Where each token slot goes: device `dest_S`, row `row_S` of the block sent there, `keep_S` False for a slot
     dropped by the capacity; `local_expert_S` the expert's index on its device; `rows` per block; `experts_per_shard`
-    (also the local id of an empty row)."""
+    (also the local id of an empty row); `dropless` False for a plan with a capacity."""
 
     dest_S: jax.Array
     row_S: jax.Array
@@ -41,6 +46,7 @@ class SendPlan:
     local_expert_S: jax.Array
     rows: int
     experts_per_shard: int
+    dropless: bool = True
 
 
 def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, capacity: int | None = None,
@@ -72,7 +78,7 @@ def send_plan(experts_S: jax.Array, n_shards: int, experts_per_shard: int, *, ca
             ranks_within_groups(experts_S[priority_S], n_shards * experts_per_shard))
     keep_S = rank_S < capacity
     row_S = local_S * capacity + jnp.minimum(rank_S, capacity - 1)
-    return SendPlan(dest_S, row_S, keep_S, local_S, experts_per_shard * capacity, experts_per_shard)
+    return SendPlan(dest_S, row_S, keep_S, local_S, experts_per_shard * capacity, experts_per_shard, dropless=False)
 
 
 def dropless_block_rows(tokens: int, slots_per_token: int, experts_per_shard: int) -> int:
@@ -81,9 +87,12 @@ def dropless_block_rows(tokens: int, slots_per_token: int, experts_per_shard: in
     return tokens * min(slots_per_token, experts_per_shard)
 
 
-def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, jax.Array]:
+def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str, *, ragged: bool = False) -> tuple[jax.Array, jax.Array]:
     """All-to-all over `axis`: (rows [n x rows, D] this device's experts take, their local expert ids [n x rows],
-    `experts_per_shard` for an empty row). Block i of the result came from device i."""
+    `experts_per_shard` for an empty row). Block i of the result came from device i. `ragged` (a dropless plan only)
+    sends only the slots routed (module docstring)."""
+    if ragged:
+        return _dispatch_ragged(x_SxD, plan, axis)
     n = jax.lax.axis_size(axis)
     D = x_SxD.shape[-1]
     # a dropped slot is written nowhere: its (dest, row) is pointed out of the buffer and the scatter drops it
@@ -96,12 +105,82 @@ def dispatch(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, ja
     return recv_x.reshape(n * plan.rows, D), recv_e.reshape(n * plan.rows)
 
 
-def combine(rows_y: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
-    """All-to-all back over `axis`: every slot's output [S, D] in slot order, zero for a dropped slot."""
+def combine(rows_y: jax.Array, plan: SendPlan, axis: str, *, ragged: bool = False) -> jax.Array:
+    """All-to-all back over `axis`: every slot's output [S, D] in slot order, zero for a dropped slot. `ragged` as
+    `dispatch` was."""
+    if ragged:
+        return _combine_ragged(rows_y, plan, axis)
     n = jax.lax.axis_size(axis)
     back = jax.lax.all_to_all(rows_y.reshape(n, plan.rows, -1), axis, 0, 0, tiled=True)
     y_SxD = back[plan.dest_S, plan.row_S]
     return jnp.where(plan.keep_S[:, None], y_SxD, jnp.zeros((), y_SxD.dtype))
+
+
+# The collective the ragged paths call (tests put an emulation in its place on CPU, where XLA has none)
+_ragged_all_to_all = jax.lax.ragged_all_to_all
+
+
+@dataclass(frozen=True)
+class _RaggedLayout:
+    """Where a dropless plan's slots lie in the ragged all-to-all: `send_pos_S` each slot's row in the send buffer
+    (destination order), and per device of the axis: `send_sizes_N` the rows sent to it, `input_offsets_N` where they
+    start in the send buffer, `recv_sizes_N` the rows received from it, `their_offsets_N` where the rows it sent here
+    start in its own send buffer (the combine writes them back there)."""
+
+    send_pos_S: jax.Array
+    send_sizes_N: jax.Array
+    input_offsets_N: jax.Array
+    recv_sizes_N: jax.Array
+    their_offsets_N: jax.Array
+
+
+def _ragged_layout(plan: SendPlan, axis: str) -> _RaggedLayout:
+    if not plan.dropless:
+        raise ValueError("the ragged all-to-all takes a dropless plan: a capacity's blocks are already its bound")
+    n = jax.lax.axis_size(axis)
+    sizes_N = jnp.bincount(plan.dest_S, length=n).astype(jnp.int32)
+    offsets_N = (jnp.cumsum(sizes_N) - sizes_N).astype(jnp.int32)
+    # a dropless slot's row is its rank among the slots sent to its device: rows 0..size-1 of each destination
+    send_pos_S = offsets_N[plan.dest_S] + plan.row_S
+    # one int per pair of devices: what each sender routes here and where that starts in its send buffer
+    recv_sizes_N = jax.lax.all_to_all(sizes_N, axis, 0, 0, tiled=True)
+    their_offsets_N = jax.lax.all_to_all(offsets_N, axis, 0, 0, tiled=True)
+    return _RaggedLayout(send_pos_S, sizes_N, offsets_N, recv_sizes_N, their_offsets_N)
+
+
+def _buffer(shape, fill, dtype, like: jax.Array) -> jax.Array:
+    """A ragged all-to-all's output buffer, varying over the mesh axes `like` (its data) varies over: the collective's
+    result takes the buffer's type, and an unvarying result would have autodiff sum its cotangent over the axis
+    (a psum of every expert's rows in the backward, and wrong gradients)."""
+    buf = jnp.full(shape, fill, dtype)
+    missing = tuple(_compat.varying_axes(like) - _compat.varying_axes(buf))
+    return jax.lax.pcast(buf, missing, to="varying") if missing else buf
+
+
+def _dispatch_ragged(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, jax.Array]:
+    n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+    S, D = x_SxD.shape
+    lay = _ragged_layout(plan, axis)
+    send_x = jnp.zeros((S, D), x_SxD.dtype).at[lay.send_pos_S].set(x_SxD)
+    send_e = jnp.zeros((S,), jnp.int32).at[lay.send_pos_S].set(plan.local_expert_S)
+    # this device's rows land in block `me` of every receiver, as in the dense layout
+    out_offsets_N = jnp.full((n,), me * plan.rows, jnp.int32)
+    args = (lay.input_offsets_N, lay.send_sizes_N, out_offsets_N, lay.recv_sizes_N)
+    recv_x = _ragged_all_to_all(send_x, _buffer((n * plan.rows, D), 0, x_SxD.dtype, send_x), *args, axis_name=axis)
+    recv_e = _ragged_all_to_all(send_e, _buffer((n * plan.rows,), plan.experts_per_shard, jnp.int32, send_e), *args,
+                                axis_name=axis)
+    return recv_x, recv_e
+
+
+def _combine_ragged(rows_y: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
+    n = jax.lax.axis_size(axis)
+    S = plan.dest_S.shape[0]
+    lay = _ragged_layout(plan, axis)
+    # block i's routed rows go back to device i, where its slots left from
+    back_S = _ragged_all_to_all(rows_y, _buffer((S, rows_y.shape[-1]), 0, rows_y.dtype, rows_y),
+                                jnp.arange(n, dtype=jnp.int32) * plan.rows, lay.recv_sizes_N, lay.their_offsets_N,
+                                lay.send_sizes_N, axis_name=axis)
+    return back_S[lay.send_pos_S]
 
 
 def ranks_within_groups(groups_S: jax.Array, n_groups: int) -> jax.Array:

@@ -32,11 +32,13 @@ inside a fusion: XLA's Triton GEMM fusions) is 2 x its result's elements x its c
 dP, dQ, dK), halved under a causal mask. The scratch workspace a cuBLAS or cuDNN call returns (its last, s8/u8 result)
 is allocated, not read or written in full, and is not charged.
 
-Collectives (all-gather, reduce-scatter, all-reduce, all-to-all, collective-permute, their async -start forms): `bytes`
-is the array size of the collective (all-gather: the gathered result; reduce-scatter, all-reduce, all-to-all: the
-input), and `wire_bytes` what one chip sends over its links with bandwidth-optimal algorithms on a group of n chips:
-(n-1)/n x bytes for all-gather, reduce-scatter and all-to-all, 2(n-1)/n x bytes for all-reduce (a reduce-scatter then
-an all-gather), bytes for a collective-permute. n comes from the op's replica groups.
+Collectives (all-gather, reduce-scatter, all-reduce, all-to-all, ragged-all-to-all, collective-permute, their async
+-start forms): `bytes` is the array size of the collective (all-gather: the gathered result; reduce-scatter,
+all-reduce, all-to-all: the input; ragged-all-to-all, whose rows sent the routing decides at run time: the smaller
+of its data and output buffers, what it sends under balanced routing), and `wire_bytes` what one chip sends over its
+links with bandwidth-optimal algorithms on a group of n chips: (n-1)/n x bytes for all-gather, reduce-scatter and the
+all-to-alls (a ragged one: as if balanced), 2(n-1)/n x bytes for all-reduce (a reduce-scatter then an all-gather),
+bytes for a collective-permute. n comes from the op's replica groups.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ _MEMORY_SPACE = re.compile(r"S\((\d+)\)")
 # `%name = SHAPE opcode(operands), attrs` (ROOT optional). The shape is an array or a (possibly nested) tuple.
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute")
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call", "conditional",
          "after-all", "partition-id", "replica-id", "opt-barrier", "iota", "get-dimension-size", "domain",
          "add-dependency"}
@@ -435,7 +437,12 @@ class _Walker:
         op = ins.opcode.removesuffix("-start")
         if op not in COLLECTIVES:
             return
-        operand = sum(comp.instrs[o].all_bytes for o in ins.operands if o in comp.instrs)
+        if op == "ragged-all-to-all":
+            # operands (data, output buffer, offsets and sizes): under balanced routing a device sends as many rows
+            # as the smaller of the two buffers holds (a dispatch all of its data, a combine what it received)
+            operand = min(comp.instrs[o].all_bytes for o in ins.operands[:2] if o in comp.instrs)
+        else:
+            operand = sum(comp.instrs[o].all_bytes for o in ins.operands if o in comp.instrs)
         n = group_size(ins.attrs, self.partitions)
         size = operand * n if op == "all-gather" else operand
         c = self.coll[op]

@@ -298,7 +298,7 @@ class Trainer:
         if not self.custom_model:
             log(describe_settled(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
             if self.cfg.model.n_experts:
-                log(moe.describe(self.cfg, dict(self.mesh.shape)))
+                log(moe.describe(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))
