@@ -225,6 +225,7 @@ def test_reads_orbax_dropped_after_a_failed_restore_print_nothing(tmp_path):
     assert out.stderr == "", out.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_an_array_index_cut_to_zero_bytes_is_one_line(tmp_path):
     # Orbax's dropped reads print (or not) depending on timing: with the filter above, never.
     run = _run(tmp_path)

@@ -121,6 +121,7 @@ def test_huge_pages_stop_the_per_run_page_faults_of_the_temporary_buffer():
     assert huge["faults_per_run"] < plain["faults_per_run"] / 4, (huge, plain)
 
 
+@pytest.mark.slow
 @needs_madvise_thp
 def test_the_jaxperf_command_restarts_itself_with_huge_pages_unless_told_not_to():
     # `jaxperf train` as the console script starts it, with main() replaced by a report of the host's huge pages

@@ -239,6 +239,7 @@ def test_the_expert_parallel_step_equals_one_device(name, one_device):
             assert leaf.addressable_shards[0].data.shape == EXPERT_SHARDS[name][key], (name, path)
 
 
+@pytest.mark.slow
 def test_qwen2_moe_layers_split_over_experts_as_on_one_device():
     """Qwen2-MoE's block (q/k/v biases alone, top-k weights kept as the softmax scored them, one shared expert of its
     own width scaled by a sigmoid gate): a step over expert=4 x data=2 equals one device's."""

@@ -182,6 +182,7 @@ def _write_fake_llama(directory: Path, max_shard_bytes: int = 1 << 30, tokenizer
     return config
 
 
+@pytest.mark.slow
 def test_contradicting_overrides_are_refused_before_compiling(tmp_path):
     src = tmp_path / "hf"
     _write_fake_llama(src)
@@ -222,6 +223,7 @@ def test_what_init_from_points_at(tmp_path):
     assert checkpoint_kind(run) == "run"
 
 
+@pytest.mark.slow
 def test_init_from_a_run_takes_its_weights_tokenizer_and_record(tmp_path):
     """A run fine-tuned from a Hugging Face directory can itself be the start of the next run: the parameters are
     the first run's newest ones, the tokenizer the same file, and the special token ids travel along for export."""

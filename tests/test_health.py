@@ -55,6 +55,7 @@ def test_nan_batch_is_skipped_and_leaves_state_bit_unchanged():
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(changed), jax.tree.leaves(after)))
 
 
+@pytest.mark.slow
 def test_loss_spike_is_skipped():
     task = _task(HealthOptions(spike_sigma=4.0, spike_window=4))
     step = task.train_step(_boosted_loss)
@@ -78,6 +79,7 @@ class NaNAfter:
         return {k: v[rows] if rows is not None else v for k, v in b.items()}
 
 
+@pytest.mark.slow
 def test_consecutive_skips_stop_the_run_with_the_step(tmp_path):
     cfg = get_config("tiny", ["d_model=32", "n_layers=1", "n_heads=2", "max_seq_len=16", "batch_size=8",
                               "max_steps=20", "max_consecutive_skips=3", f"run_dir={tmp_path}", "eval_every=0",
@@ -87,6 +89,7 @@ def test_consecutive_skips_stop_the_run_with_the_step(tmp_path):
         trainer.fit()
 
 
+@pytest.mark.slow
 def test_fp16_dynamic_loss_scale_halves_on_overflow_and_grows_when_clean(tmp_path):
     fp16 = ModelConfig(d_model=32, n_layers=1, n_heads=2, max_seq_len=16, dtype="float16")
     task = _task(HealthOptions(loss_scale=True, loss_scale_init=2.0**40, growth_interval=3), fp16)

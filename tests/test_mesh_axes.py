@@ -159,6 +159,7 @@ def _compiled_text(parallel: dict) -> str:
     return task.train_step().lower(task.abstract_state(), batch).compile().as_text()
 
 
+@pytest.mark.slow
 def test_sequence_parallel_moves_blocks_with_collective_matmuls():
     """Megatron-SP: the layers' gathers and scatters run as ppermute rings inside the matmuls (collective matmul);
     plain tensor parallelism all-reduces the row-parallel outputs instead and permutes nothing."""

@@ -385,7 +385,7 @@ def _reverse_scan_outputs(jaxpr) -> set[tuple[tuple[int, ...], str]]:
     pytest.param({}, id="dense"),
     pytest.param(dict(round_weights_before_cast=True), id="rounded"),
     pytest.param(dict(use_bias=False, qkv_bias=True, n_experts=4, n_shared_experts=1, shared_mlp_dim=96,
-                      shared_expert_gate=True, router_norm_topk=False), id="qwen2_moe"),
+                      shared_expert_gate=True, router_norm_topk=False), id="qwen2_moe", marks=pytest.mark.slow),
 ])
 def test_layer_grads_stacked_in_the_compute_dtype_are_the_same_bits(extra):
     """The backward loop stacks each cast weight's gradient in bf16 (the reverse scan's outputs), the norm scales',

@@ -463,6 +463,7 @@ class _FullDisk:
         return getattr(os, name)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_writing_the_record_saves_a_checkpoint_and_stops(tmp_path, monkeypatch):
     trainer = _trainer(tmp_path, "max_steps=6")
     monkeypatch.setattr(hooks, "os", _FullDisk(step=3))

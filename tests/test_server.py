@@ -158,6 +158,7 @@ class _Paced:
 # Continuous batching
 
 
+@pytest.mark.slow
 def test_concurrent_requests_each_get_their_own_answer(server, gen):
     bodies = [
         {"prompt": "Once upon", "max_tokens": 12, "temperature": 0.0},
