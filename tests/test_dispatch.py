@@ -100,12 +100,14 @@ def test_layer_weights_are_rounded_before_the_cast_on_tpu_unless_set():
     assert plat.for_platform(on, "cpu").round_weights_before_cast is True
 
 
-def test_expert_parallelism_sends_ragged_on_accelerators_and_cpu_refuses_it_in_one_line():
-    """The ragged all-to-all is settled on for TPU and GPU, never for CPU, whose XLA has none: set there, an MoE
-    config is refused before anything is traced; a dense model ignores the flag."""
+def test_expert_parallelism_sends_ragged_on_tpu_and_cpu_refuses_it_in_one_line():
+    """The ragged all-to-all is settled on for TPU only (no GPU run has checked it; asked for, a GPU takes it) and
+    never for CPU, whose XLA has none: set there, an MoE config is refused before anything is traced; a dense model
+    ignores the flag."""
     moe = get_config("moe-tiny").model
     assert moe.ragged_all_to_all is None
-    assert [plat.for_platform(moe, p).ragged_all_to_all for p in ("tpu", "gpu", "cpu")] == [True, True, False]
+    assert [plat.for_platform(moe, p).ragged_all_to_all for p in ("tpu", "gpu", "cpu")] == [True, False, False]
+    assert plat.for_platform(dataclasses.replace(moe, ragged_all_to_all=True), "gpu").ragged_all_to_all is True
     off = dataclasses.replace(moe, ragged_all_to_all=False)
     assert plat.for_platform(off, "tpu").ragged_all_to_all is False
     with pytest.raises(ConfigError, match=r"^model.ragged_all_to_all=true but XLA:CPU has no ragged all-to-all"):

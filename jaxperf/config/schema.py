@@ -139,7 +139,7 @@ class ModelConfig:
     grouped_matmul_impl: GroupedMatmulImpl = "auto"
     # Dropless expert parallelism sends each device's token slots to their experts and back with a ragged all-to-all
     # (jax.lax.ragged_all_to_all: only the rows routed cross the links) instead of one block of the worst case per
-    # device. None: true on TPU and GPU, false on CPU (XLA:CPU has no ragged all-to-all)
+    # device. None: true on TPU; false on CPU (XLA:CPU has no ragged all-to-all) and on GPU (not yet run on GPUs)
     ragged_all_to_all: bool | None = None
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the train loss
     router_z_loss_coef: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)

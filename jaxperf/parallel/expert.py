@@ -12,8 +12,8 @@ data-parallel axis, each device routes its own tokens, then:
 A device sends each other device one block of `plan.rows` rows. Dropless (`capacity=None`), a block has room for all
 the slots the sender can route to one device, whatever the routing: its S slots, or, told that they are T tokens of k
 slots each with k distinct experts (`slots_per_token`, as top-k routes), T x min(k, E/n), since a token sends at most
-one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device. With `ragged=True` (TPU
-and GPU; XLA:CPU has no ragged all-to-all) the dropless dispatch and combine send only the rows routed, with
+one slot to each expert. Nothing is dropped, at the price of n blocks of buffer per device. With `ragged=True` (the
+TPU default; XLA:CPU has no ragged all-to-all) the dropless dispatch and combine send only the rows routed, with
 `jax.lax.ragged_all_to_all`: the send buffer holds the S slots in destination order instead of n blocks, the receive
 buffer keeps the blocks' layout (rows past what a sender routed stay empty), and the links carry S rows a device
 instead of n x rows. Mixtral (8 experts, top-2) over expert=8: blocks of T rows, half of S; dense, 8 blocks (4 x S)
