@@ -743,7 +743,8 @@ def describe(cfg, mesh_shape, platform: str | None = None) -> str:
     microbatch, the dense blocks of jaxperf.parallel.expert, less the block a device keeps; dropless, a block holds
     min(k, E / n) slots of each of a device's tokens). With the ragged all-to-all (`model.ragged_all_to_all`, as
     settled for the mesh's platform: `platform`) the dropless bytes are those of the routed slots under balanced
-    routing, (n - 1) / n of a device's slots."""
+    routing, (n - 1) / n of a device's slots. Either way each pass is charged a row's 4-byte expert id (only the
+    forward dispatch sends ids), and remat's recomputed forward is not counted."""
     m = cfg.model.resolved()
     n = int(mesh_shape.get("expert", 1))
     layers = sum(is_moe_layer(m, i) for i in range(m.n_layers))

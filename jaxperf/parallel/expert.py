@@ -123,11 +123,12 @@ _ragged_all_to_all = jax.lax.ragged_all_to_all
 @dataclass(frozen=True)
 class _RaggedLayout:
     """Where a dropless plan's slots lie in the ragged all-to-all: `send_pos_S` each slot's row in the send buffer
-    (destination order), and per device of the axis: `send_sizes_N` the rows sent to it, `input_offsets_N` where they
+    (destination order), `order_S` the slot in each row of it (the inverse permutation), and per device of the axis: `send_sizes_N` the rows sent to it, `input_offsets_N` where they
     start in the send buffer, `recv_sizes_N` the rows received from it, `their_offsets_N` where the rows it sent here
     start in its own send buffer (the combine writes them back there)."""
 
     send_pos_S: jax.Array
+    order_S: jax.Array
     send_sizes_N: jax.Array
     input_offsets_N: jax.Array
     recv_sizes_N: jax.Array
@@ -142,45 +143,46 @@ def _ragged_layout(plan: SendPlan, axis: str) -> _RaggedLayout:
     offsets_N = (jnp.cumsum(sizes_N) - sizes_N).astype(jnp.int32)
     # a dropless slot's row is its rank among the slots sent to its device: rows 0..size-1 of each destination
     send_pos_S = offsets_N[plan.dest_S] + plan.row_S
+    order_S = jnp.zeros_like(send_pos_S).at[send_pos_S].set(jnp.arange(send_pos_S.shape[0], dtype=send_pos_S.dtype))
     # one int per pair of devices: what each sender routes here and where that starts in its send buffer
     recv_sizes_N = jax.lax.all_to_all(sizes_N, axis, 0, 0, tiled=True)
     their_offsets_N = jax.lax.all_to_all(offsets_N, axis, 0, 0, tiled=True)
-    return _RaggedLayout(send_pos_S, sizes_N, offsets_N, recv_sizes_N, their_offsets_N)
+    return _RaggedLayout(send_pos_S, order_S, sizes_N, offsets_N, recv_sizes_N, their_offsets_N)
 
 
-def _buffer(shape, fill, dtype, like: jax.Array) -> jax.Array:
-    """A ragged all-to-all's output buffer, varying over the mesh axes `like` (its data) varies over: the collective's
-    result takes the buffer's type, and an unvarying result would have autodiff sum its cotangent over the axis
-    (a psum of every expert's rows in the backward, and wrong gradients)."""
+def _buffer(shape, fill, dtype, like: jax.Array, axis: str) -> jax.Array:
+    """A ragged all-to-all's output buffer, varying over `axis` and the mesh axes `like` (its data) varies over: the
+    collective's result takes the buffer's type, and an unvarying result would have autodiff sum its cotangent over
+    the axis (a psum of every expert's rows in the backward, and wrong gradients)."""
     buf = jnp.full(shape, fill, dtype)
-    missing = tuple(_compat.varying_axes(like) - _compat.varying_axes(buf))
+    missing = tuple((_compat.varying_axes(like) | {axis}) - _compat.varying_axes(buf))
     return jax.lax.pcast(buf, missing, to="varying") if missing else buf
 
 
 def _dispatch_ragged(x_SxD: jax.Array, plan: SendPlan, axis: str) -> tuple[jax.Array, jax.Array]:
     n, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-    S, D = x_SxD.shape
+    D = x_SxD.shape[-1]
     lay = _ragged_layout(plan, axis)
-    send_x = jnp.zeros((S, D), x_SxD.dtype).at[lay.send_pos_S].set(x_SxD)
-    send_e = jnp.zeros((S,), jnp.int32).at[lay.send_pos_S].set(plan.local_expert_S)
+    send_SxD, send_S = x_SxD[lay.order_S], plan.local_expert_S[lay.order_S]  # destination order
     # this device's rows land in block `me` of every receiver, as in the dense layout
     out_offsets_N = jnp.full((n,), me * plan.rows, jnp.int32)
     args = (lay.input_offsets_N, lay.send_sizes_N, out_offsets_N, lay.recv_sizes_N)
-    recv_x = _ragged_all_to_all(send_x, _buffer((n * plan.rows, D), 0, x_SxD.dtype, send_x), *args, axis_name=axis)
-    recv_e = _ragged_all_to_all(send_e, _buffer((n * plan.rows,), plan.experts_per_shard, jnp.int32, send_e), *args,
-                                axis_name=axis)
-    return recv_x, recv_e
+    recv_RxD = _ragged_all_to_all(send_SxD, _buffer((n * plan.rows, D), 0, x_SxD.dtype, send_SxD, axis), *args,
+                                  axis_name=axis)
+    recv_R = _ragged_all_to_all(send_S, _buffer((n * plan.rows,), plan.experts_per_shard, jnp.int32, send_S, axis),
+                                *args, axis_name=axis)
+    return recv_RxD, recv_R
 
 
-def _combine_ragged(rows_y: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
+def _combine_ragged(rows_RxD: jax.Array, plan: SendPlan, axis: str) -> jax.Array:
     n = jax.lax.axis_size(axis)
     S = plan.dest_S.shape[0]
     lay = _ragged_layout(plan, axis)
     # block i's routed rows go back to device i, where its slots left from
-    back_S = _ragged_all_to_all(rows_y, _buffer((S, rows_y.shape[-1]), 0, rows_y.dtype, rows_y),
-                                jnp.arange(n, dtype=jnp.int32) * plan.rows, lay.recv_sizes_N, lay.their_offsets_N,
-                                lay.send_sizes_N, axis_name=axis)
-    return back_S[lay.send_pos_S]
+    back_SxD = _ragged_all_to_all(rows_RxD, _buffer((S, rows_RxD.shape[-1]), 0, rows_RxD.dtype, rows_RxD, axis),
+                                  jnp.arange(n, dtype=jnp.int32) * plan.rows, lay.recv_sizes_N, lay.their_offsets_N,
+                                  lay.send_sizes_N, axis_name=axis)
+    return back_SxD[lay.send_pos_S]
 
 
 def ranks_within_groups(groups_S: jax.Array, n_groups: int) -> jax.Array:

@@ -35,7 +35,7 @@ is allocated, not read or written in full, and is not charged.
 Collectives (all-gather, reduce-scatter, all-reduce, all-to-all, ragged-all-to-all, collective-permute, their async
 -start forms): `bytes` is the array size of the collective (all-gather: the gathered result; reduce-scatter,
 all-reduce, all-to-all: the input; ragged-all-to-all, whose rows sent the routing decides at run time: the smaller
-of its data and output buffers, what it sends under balanced routing), and `wire_bytes` what one chip sends over its
+of its data and output buffers, what expert parallelism sends under balanced routing), and `wire_bytes` what one chip sends over its
 links with bandwidth-optimal algorithms on a group of n chips: (n-1)/n x bytes for all-gather, reduce-scatter and the
 all-to-alls (a ragged one: as if balanced), 2(n-1)/n x bytes for all-reduce (a reduce-scatter then an all-gather),
 bytes for a collective-permute. n comes from the op's replica groups.
@@ -438,9 +438,10 @@ class _Walker:
         if op not in COLLECTIVES:
             return
         if op == "ragged-all-to-all":
-            # operands (data, output buffer, offsets and sizes): under balanced routing a device sends as many rows
-            # as the smaller of the two buffers holds (a dispatch all of its data, a combine what it received)
-            operand = min(comp.instrs[o].all_bytes for o in ins.operands[:2] if o in comp.instrs)
+            # operands (data, output buffer, offsets and sizes): expert parallelism's dispatch sends all its data into
+            # a larger buffer; its combine sends back what it received, under balanced routing as many rows as the
+            # smaller output buffer holds (a padded data operand elsewhere would be counted in full)
+            operand = min((comp.instrs[o].all_bytes for o in ins.operands[:2] if o in comp.instrs), default=0.0)
         else:
             operand = sum(comp.instrs[o].all_bytes for o in ins.operands if o in comp.instrs)
         n = group_size(ins.attrs, self.partitions)
