@@ -123,9 +123,10 @@ _ragged_all_to_all = jax.lax.ragged_all_to_all
 @dataclass(frozen=True)
 class _RaggedLayout:
     """Where a dropless plan's slots lie in the ragged all-to-all: `send_pos_S` each slot's row in the send buffer
-    (destination order), `order_S` the slot in each row of it (the inverse permutation), and per device of the axis: `send_sizes_N` the rows sent to it, `input_offsets_N` where they
-    start in the send buffer, `recv_sizes_N` the rows received from it, `their_offsets_N` where the rows it sent here
-    start in its own send buffer (the combine writes them back there)."""
+    (destination order), `order_S` the slot in each row of it (the inverse permutation), and per device of the axis:
+    `send_sizes_N` the rows sent to it, `input_offsets_N` where they start in the send buffer, `recv_sizes_N` the rows
+    received from it, `their_offsets_N` where the rows it sent here start in its own send buffer (the combine writes
+    them back there)."""
 
     send_pos_S: jax.Array
     order_S: jax.Array

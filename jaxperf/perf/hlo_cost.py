@@ -35,10 +35,10 @@ is allocated, not read or written in full, and is not charged.
 Collectives (all-gather, reduce-scatter, all-reduce, all-to-all, ragged-all-to-all, collective-permute, their async
 -start forms): `bytes` is the array size of the collective (all-gather: the gathered result; reduce-scatter,
 all-reduce, all-to-all: the input; ragged-all-to-all, whose rows sent the routing decides at run time: the smaller
-of its data and output buffers, what expert parallelism sends under balanced routing), and `wire_bytes` what one chip sends over its
-links with bandwidth-optimal algorithms on a group of n chips: (n-1)/n x bytes for all-gather, reduce-scatter and the
-all-to-alls (a ragged one: as if balanced), 2(n-1)/n x bytes for all-reduce (a reduce-scatter then an all-gather),
-bytes for a collective-permute. n comes from the op's replica groups.
+of its data and output buffers, what expert parallelism sends under balanced routing), and `wire_bytes` what one
+chip sends over its links with bandwidth-optimal algorithms on a group of n chips: (n-1)/n x bytes for all-gather,
+reduce-scatter and the all-to-alls (a ragged one: as if balanced), 2(n-1)/n x bytes for all-reduce (a
+reduce-scatter then an all-gather), bytes for a collective-permute. n comes from the op's replica groups.
 """
 
 from __future__ import annotations
