@@ -15,9 +15,9 @@ Each run is a test case of its own, compiled in a subprocess of its own (the com
 ALLOW_MULTIPLE_LIBTPU_LOAD, set by conftest.py, lets pytest-xdist workers load libtpu side by side). The whole
 matrix runs with the TPU compiler jax 0.12 pins (libtpu 0.0.50); with an older jax's compiler (jax 0.10.2 pins
 0.0.42, whose figures were within a few percent of 0.0.50's wherever the two were compared: docs/performance.md)
-two core runs (`_core`) keep that compiler proven in a fraction of the time. CI leaves out the six runs marked
-`extended` (EXTENDED, below): two repeat terms other runs check; four (the longest compiles among them) check terms
-of their own and are run by hand after a change to those terms.
+two core runs (`_core`) keep that compiler proven in a fraction of the time. CI leaves out the eight runs marked
+`extended` (EXTENDED, below): two repeat terms other runs check; six, the longest compiles, check terms of their
+own and are run by hand after a change to those terms.
 """
 
 from __future__ import annotations
@@ -92,12 +92,16 @@ RUNS = [
 CASES = [(topology, preset, overrides) for preset, overrides, topologies in RUNS for topology in topologies]
 # Cases CI's Python 3.12 phase leaves out for time, marked `extended`; `pytest -m extended tests/test_memory_tpu.py`
 # under jax 0.12 runs them, as does the whole file. Two whose terms other runs exercise too: gpt2-medium on v6e and
-# llama-1b with the XLA attention and loss (gpt2-medium on v5p and gpt2-small keep them). And four whose terms only
-# they check, among them the longest compiles (3-6 minutes each on 2 cores; the rest take one or two): four layers
-# per scan iteration, plain (gpt2-medium: the unroll shares) and under remat full (llama-1b: the compact gradient
-# stacks' unroll share), the dropless MoE (the routed layer's residuals as traced) and expert parallelism under host
-# offload (the expert axis's extra rows, the offloaded activations). Run them after changing those terms.
+# llama-1b with the XLA attention and loss (gpt2-medium on v5p and gpt2-small keep them). And six whose terms only
+# they check, the longest compiles (2-6 minutes each on 2 cores; the rest take about one): the layers in a Python
+# loop (the recomputed residuals), four layers per scan iteration, plain (gpt2-medium: the unroll shares) and under
+# remat full (llama-1b: the compact gradient stacks' unroll share), the MoE layers, dropless (the routed layer's
+# residuals as traced) and with a capacity, and expert parallelism under host offload (the expert axis's extra rows,
+# the offloaded activations). Run them after changing those terms.
 EXTENDED = {
+    ("v5p:2x2x1", "gpt2-small", ("batch_size=4", "scan_layers=false", *XLA)),
+    ("v5p:2x2x1", "llama-1b", ("batch_size=16", "n_experts=8", "experts_per_token=2", "moe_mlp_dim=2048",
+                               "capacity_factor=1.25", "remat=full")),
     ("v6e:2x2", "gpt2-medium", ("batch_size=4", "scan_unroll=4", *XLA)),
     ("v6e:2x2", "gpt2-medium", ("batch_size=4", *XLA)),
     ("v5p:2x2x1", "llama-1b", ("batch_size=4", *XLA)),
