@@ -373,6 +373,33 @@ def test_an_unwritable_data_cache_dir_is_one_line_naming_the_setting(shared_dir)
     assert line.endswith("make it writable by this user or choose another data.cache_dir"), line
 
 
+def test_a_second_ctrl_c_that_lands_in_a_gc_callback_still_interrupts(capsys):
+    # A signal handler runs between any two bytecodes: in a garbage-collector callback (JAX has one) its
+    # KeyboardInterrupt would be printed as "Exception ignored" and lost, and the run would go on.
+    import gc
+
+    request = hooks.StopRequest()
+
+    def second_ctrl_c_during_gc(phase, info):
+        if phase == "start":
+            gc.callbacks.remove(second_ctrl_c_during_gc)
+            request._handle(signal.SIGINT, None)
+
+    with request:
+        request._handle(signal.SIGINT, None)  # the first: stop after the current step
+        gc.callbacks.append(second_ctrl_c_during_gc)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                gc.collect()
+                for _ in range(100):  # the signal, sent again from a thread, is handled here
+                    time.sleep(0.01)
+        finally:
+            with contextlib.suppress(ValueError):
+                gc.callbacks.remove(second_ctrl_c_during_gc)
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is not request._handle and sys.unraisablehook is not request._unraisable
+
+
 @pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_in_one_line(tmp_path):
     proc = start_train(tmp_path, [*RUN, "max_steps=100000", "run_dir=run"], devices=1)

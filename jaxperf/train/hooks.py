@@ -343,12 +343,18 @@ class StopRequest:
     coordination service triggers on a SIGTERM to any process (and on a TPU maintenance notice) and which answers
     True on every process at the same step. A second Ctrl-C interrupts at once (KeyboardInterrupt).
     Handlers are installed only from the main thread, and the previous ones are put back on exit.
+
+    Python runs a signal handler between any two bytecodes of the main thread, so the KeyboardInterrupt can land where
+    exceptions are only reported, never raised: in a garbage-collector callback (JAX registers one), a `__del__`, a
+    weakref callback. While installed, the handler also watches sys.unraisablehook: such a swallowed KeyboardInterrupt
+    is not printed but raised again (the signal re-sent from a thread), so the second Ctrl-C always stops the run.
     """
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
         self.reason: str | None = None
         self._previous: dict[int, Any] = {}
+        self._previous_unraisable: Any = None
 
     def __enter__(self) -> StopRequest:
         if not self.enabled or threading.current_thread() is not threading.main_thread():
@@ -358,12 +364,25 @@ class StopRequest:
             signals.append(signal.SIGTERM)
         for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
         return self
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._previous_unraisable is not None:
+            sys.unraisablehook, self._previous_unraisable = self._previous_unraisable, None
+
+    def _unraisable(self, info) -> None:
+        if info.exc_type is KeyboardInterrupt and self.reason is not None:
+            # Sent again a moment later from another thread: handled once the main thread is back in code that can
+            # raise (sent from here, the handler would run at once, still inside this hook).
+            timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
+            return
+        self._previous_unraisable(info)
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None and signum == signal.SIGINT:
