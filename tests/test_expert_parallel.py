@@ -221,7 +221,7 @@ def one_device():
     return _train(MOE, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in ("expert4_data2", "fsdp4_data2")
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "expert4_data2"
                                                   else pytest.mark.slow) for n in EP_MESHES])
 def test_the_expert_parallel_step_equals_one_device(name, one_device):
     mesh_kw, strategy = EP_MESHES[name]

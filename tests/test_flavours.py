@@ -97,7 +97,10 @@ def single_device():
     return state, losses, history
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# At both ends of the jax range: pmap and the shard_map step under each strategy once; the meshes with two axes and
+# microbatches are slow tests (one Python version runs them: .ci/run)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("-micro2") else n
+                                  for n in CASES])
 def test_flavour_matches_single_device_jit(name, single_device):
     flavour, strategy, mesh_kw, micro, col = CASES[name]
     own, state, losses, history = _run(flavour, strategy, mesh_kw, micro)

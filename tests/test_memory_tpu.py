@@ -4,19 +4,19 @@ v6e slice.
 `jaxperf.perf.memory.estimate` is made before compiling; `compile_for_topology` compiles the same train step for the
 slice (libtpu on this CPU machine) and reports both. Each preset keeps its widths, vocabulary, sequence length, remat
 policy and dtypes; the batch drops to one row per chip (tiny and one llama-1b run take more, below). The XLA
-attention and full logits run by name, three runs take the Pallas attention with the chunked loss (gpt2-small,
-llama-1b at 4 rows per chip) and with the fused Pallas loss, two run four layers per scan iteration, one a Python
-loop over the layers, and one compiles the Llama-3.1-8B shapes of benchmarks/bench_tpu_compile.py with the
-implementations "auto" picks on TPU, so every main term of the estimate is exercised: remove the XLA attention's
-gradients, the loss's gathered output weights, the unrolled layers' shares or the Python loop's recomputed values
-from the estimate and a run below leaves the 10% band.
+attention and full logits run by name, three runs take the Pallas attention, with the chunked loss (gpt2-small) and
+with the fused Pallas loss (llama-1b: 4 rows per chip on v5p, remat full on v6e), two run four layers per scan
+iteration, one a Python loop over the layers, and one compiles the Llama-3.1-8B shapes of
+benchmarks/bench_tpu_compile.py with the implementations "auto" picks on TPU, so every main term of the estimate is
+exercised: remove the XLA attention's gradients, the loss's gathered output weights, the unrolled layers' shares or
+the Python loop's recomputed values from the estimate and a run below leaves the 10% band.
 
 Each run is a test case of its own, compiled in a subprocess of its own (the compiler's memory goes with it;
 ALLOW_MULTIPLE_LIBTPU_LOAD, set by conftest.py, lets pytest-xdist workers load libtpu side by side). The whole
 matrix runs with the TPU compiler jax 0.12 pins (libtpu 0.0.50); with an older jax's compiler (jax 0.10.2 pins
 0.0.42, whose figures were within a few percent of 0.0.50's wherever the two were compared: docs/performance.md)
-two core runs (`_core`) keep that compiler proven in a fraction of the time. CI leaves out the eight runs marked
-`extended` (EXTENDED, below): two repeat terms other runs check; six, the longest compiles, check terms of their
+two core runs (`_core`) keep that compiler proven in a fraction of the time. CI leaves out the ten runs marked
+`extended` (EXTENDED, below): four repeat terms other runs check; six, the longest compiles, check terms of their
 own and are run by hand after a change to those terms.
 """
 
@@ -57,7 +57,7 @@ RUNS = [
     ("gpt2-medium", ["batch_size=4"] + XLA, BOTH),
     ("llama-1b", ["batch_size=4"] + XLA, ("v5p:2x2x1",)),  # llama on v6e: the Pallas runs below
     ("gpt2-small", ["batch_size=4", "attention_impl=pallas", "loss_impl=chunked"], ("v5p:2x2x1",)),
-    ("llama-1b", ["batch_size=16", "attention_impl=pallas", "loss_impl=chunked"], ("v5p:2x2x1",)),  # 4 rows per chip
+    ("llama-1b", ["batch_size=16", "attention_impl=pallas", "loss_impl=pallas"], ("v5p:2x2x1",)),  # 4 rows per chip
     ("llama-1b", ["batch_size=4", "attention_impl=pallas", "loss_impl=pallas", "remat=full"], ("v6e:2x2",)),
     # four layers per scan iteration (UNROLL_SHARES, measured on v5p; checked here on v6e): without that term the
     # gpt2-medium run is 0.82x the compiled figure
@@ -91,8 +91,9 @@ RUNS = [
 
 CASES = [(topology, preset, overrides) for preset, overrides, topologies in RUNS for topology in topologies]
 # Cases CI's Python 3.12 phase leaves out for time, marked `extended`; `pytest -m extended tests/test_memory_tpu.py`
-# under jax 0.12 runs them, as does the whole file. Two whose terms other runs exercise too: gpt2-medium on v6e and
-# llama-1b with the XLA attention and loss (gpt2-medium on v5p and gpt2-small keep them). And six whose terms only
+# under jax 0.12 runs them, as does the whole file. Four whose terms other runs exercise too: gpt2-medium on both
+# chips and llama-1b with the XLA attention and loss (gpt2-small keeps them), and llama-1b on v6e with the fused loss
+# under remat full (the v5p llama-1b run keeps the fused loss, the 8B shapes remat full). And six whose terms only
 # they check, the longest compiles (2-6 minutes each on 2 cores; the rest take about one): the layers in a Python
 # loop (the recomputed residuals), four layers per scan iteration, plain (gpt2-medium: the unroll shares) and under
 # remat full (llama-1b: the compact gradient stacks' unroll share), the MoE layers, dropless (the routed layer's
@@ -105,6 +106,8 @@ EXTENDED = {
     ("v6e:2x2", "gpt2-medium", ("batch_size=4", "scan_unroll=4", *XLA)),
     ("v6e:2x2", "gpt2-medium", ("batch_size=4", *XLA)),
     ("v5p:2x2x1", "llama-1b", ("batch_size=4", *XLA)),
+    ("v6e:2x2", "llama-1b", ("batch_size=4", "attention_impl=pallas", "loss_impl=pallas", "remat=full")),
+    ("v5p:2x2x1", "gpt2-medium", ("batch_size=4", *XLA)),
     ("v5p:2x2x1", "llama-1b", ("batch_size=4", "n_experts=8", "experts_per_token=2", "moe_mlp_dim=2048", *XLA)),
     ("v6e:2x2", "llama-1b", ("batch_size=4", "attention_impl=pallas", "loss_impl=chunked", "remat=full",
                              "scan_unroll=4")),

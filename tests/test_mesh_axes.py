@@ -84,7 +84,8 @@ def one_device():
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in ("stage2_data4_gpipe", "seq4_data2_contiguous", "tensor2_stage2_seq2")
+    pytest.param(n, marks=pytest.mark.slow) if n in ("stage2_data4_gpipe", "stage2_data4_1f1b", "seq4_data2_contiguous",
+                                                      "tensor2_stage2_seq2", "fsdp2_stage2_seq2")
     else n
     for n in CASES])
 def test_matches_one_device_and_shards_as_written(name, one_device):

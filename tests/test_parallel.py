@@ -78,7 +78,9 @@ def single_device():
     return _run(dict(data=1, fsdp=1, tensor=1), "dp", 3, devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", ORDER)
+# At both ends of the jax range: fsdp and tp (the two rule tables the others combine); dp and the two-axis meshes are
+# slow tests (one Python version runs them: .ci/run)
+@pytest.mark.parametrize("name", [n if n in ("fsdp", "tp") else pytest.param(n, marks=pytest.mark.slow) for n in ORDER])
 def test_strategy_matches_single_device(name, single_device):
     state, losses, history = _run(MESHES[name], STRATEGY[name], 3)
     _, ref_losses, ref_history = single_device

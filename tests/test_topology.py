@@ -149,6 +149,7 @@ def test_rounding_the_weights_before_the_cast_takes_the_stacked_copy_out_of_the_
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two compiles, 2-3 minutes; run it after touching model.layer_grads_in_compute_dtype
 @pytest.mark.skipif(not NEWEST_TPU_COMPILER, reason="compiled with the TPU compiler jax 0.12 pins (libtpu 0.0.42's "
                     "program shrinks the same way; it passed there too, at the cost of two compiles)")
 def test_layer_gradient_stacks_in_bf16_shrink_the_tpu_program():
@@ -248,14 +249,20 @@ def _compile_preset(preset: str, strategy: str, flavour: str, mesh: dict | None 
 @pytest.mark.parametrize("flavour", ["jit", "shard_map"])
 @pytest.mark.parametrize("strategy", list(MESHES))
 def test_every_strategy_and_flavour_compiles_for_a_v5p_slice(strategy, flavour):
-    """Each rule table and each way of writing the step, at tiny widths."""
+    """Each rule table and each way of writing the step, at tiny widths. An older jax's TPU compiler takes the jit
+    step under every strategy and the shard_map step under fsdp (its collectives are the other strategies' too)."""
+    if not NEWEST_TPU_COMPILER and flavour == "shard_map" and strategy != "fsdp":
+        pytest.skip("compiled with the TPU compiler jax 0.12 pins; an older jax's compiles the jit matrix and "
+                    "shard_map under fsdp")
     _compile_preset("tiny", strategy, flavour)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not NEWEST_TPU_COMPILER, reason="each preset at its own widths: compiled with the TPU compiler "
                                                     "jax 0.12 pins; an older jax's compiles the tiny-width matrix")
-@pytest.mark.parametrize("preset", [p for p in PRESET_NAMES if p not in NOT_COMPILED])
+@pytest.mark.parametrize("preset", [  # gpt2-medium is gpt2-small's code at other widths: CI leaves it out for time
+    pytest.param(p, marks=[pytest.mark.extended] if p == "gpt2-medium" else []) for p in PRESET_NAMES
+    if p not in NOT_COMPILED])
 def test_every_preset_compiles_for_a_v5p_slice_at_its_own_widths(preset):
     """Each preset's widths, heads and vocabulary split both ways at once (fsdp x tensor), with the collectives
     written by hand: the strictest of the strategies for widths that must divide over the chips. The MoE preset
