@@ -347,7 +347,8 @@ class StopRequest:
     Python runs a signal handler between any two bytecodes of the main thread, so the KeyboardInterrupt can land where
     exceptions are only reported, never raised: in a garbage-collector callback (JAX registers one), a `__del__`, a
     weakref callback. While installed, the handler also watches sys.unraisablehook: such a swallowed KeyboardInterrupt
-    is not printed but raised again (the signal re-sent from a thread), so the second Ctrl-C always stops the run.
+    is not printed but raised again (the signal re-sent from a thread while the handler is still installed), so a
+    second Ctrl-C is not lost that way (one that code catches with `except BaseException` still is).
     """
 
     def __init__(self, enabled: bool = True):
@@ -355,10 +356,11 @@ class StopRequest:
         self.reason: str | None = None
         self._previous: dict[int, Any] = {}
         self._previous_unraisable: Any = None
+        self._resend: threading.Timer | None = None
 
     def __enter__(self) -> StopRequest:
-        if not self.enabled or threading.current_thread() is not threading.main_thread():
-            return self
+        if self._previous or not self.enabled or threading.current_thread() is not threading.main_thread():
+            return self  # (installed already: entered twice)
         signals = [signal.SIGINT]
         if jax.process_count() == 1:  # with several processes JAX's preemption notifier owns SIGTERM
             signals.append(signal.SIGTERM)
@@ -371,18 +373,24 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._resend is not None:
+            self._resend.cancel()
         if self._previous_unraisable is not None:
             sys.unraisablehook, self._previous_unraisable = self._previous_unraisable, None
 
     def _unraisable(self, info) -> None:
-        if info.exc_type is KeyboardInterrupt and self.reason is not None:
+        if info.exc_type is KeyboardInterrupt and self.reason is not None and self._previous_unraisable is not None:
             # Sent again a moment later from another thread: handled once the main thread is back in code that can
             # raise (sent from here, the handler would run at once, still inside this hook).
-            timer = threading.Timer(0.05, os.kill, args=(os.getpid(), signal.SIGINT))
-            timer.daemon = True
-            timer.start()
+            self._resend = threading.Timer(0.05, self._send_again)
+            self._resend.daemon = True
+            self._resend.start()
             return
-        self._previous_unraisable(info)
+        (self._previous_unraisable or sys.__unraisablehook__)(info)
+
+    def _send_again(self) -> None:
+        if self._previous_unraisable is not None:  # still installed: after `__exit__` the stop has been handled
+            os.kill(os.getpid(), signal.SIGINT)
 
     def _handle(self, signum, frame) -> None:
         if self.reason is not None and signum == signal.SIGINT:
