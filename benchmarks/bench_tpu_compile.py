@@ -602,7 +602,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         flops = (r["model_flops_per_chip"], r["flops_per_chip"])
         records.append(emit(record("tpu_compile", name, r["bytes_per_chip"]["total"] / 1e9, "GB/chip",
                                    **_fields(r, "jaxperf", overrides=extra, device_kind=r["device_kind"],
-                                             mesh=r.get("mesh"), compiler=_jaxperf_compiler()), **case)))
+                                             mesh=r.get("mesh"), compiler=_jaxperf_compiler(),
+                                             estimate_bytes=r.get("estimated_bytes_per_chip")), **case)))
 
     if flops is None:  # the FLOP count does not need a compile
         cfg = get_config("llama-1b", base)

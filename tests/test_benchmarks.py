@@ -215,6 +215,7 @@ def test_tpu_compile_tiny_reports_jaxperf_and_says_why_maxtext_is_missing():
         assert r["value"] == pytest.approx(r["bytes_per_chip"]["total"] / 1e9)
         assert r["predicted_step_s"] == max(r["compute_s"], r["hbm_s"], r["collective_s"]) > 0
         assert 0 < r["predicted_mfu"] < 1 and r["collectives"]["all-gather"]["ops"] > 0  # fsdp gathers weights
+        assert 0.5 < r["estimate_bytes"] / r["bytes_per_chip"]["total"] < 2  # the estimate made before compiling
     assert not by_name["jaxperf/default"].get("unknown_trip_counts")  # the scanned layers and their inner loops
 
 
