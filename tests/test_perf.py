@@ -365,6 +365,62 @@ def test_the_tpu_estimate_counts_layers_per_scan_iteration(monkeypatch, newer_co
     assert two - one == pytest.approx(share * 1 * r.n_heads * 1024 * 1024 * (4 + 2), rel=1e-6)
 
 
+def test_the_newer_tpu_compiler_holds_a_share_of_a_scanned_layers_recomputation(monkeypatch):
+    """From libtpu 0.0.52 a scanned layer's backward holds BACKWARD_RECOMPUTE_SHARE of what its remat policy
+    recomputes; the older compilers all of it."""
+    cfg = get_config("llama-1b", ["batch_size=16", "attention_impl=pallas", "loss_impl=chunked", "remat=full"])
+    layer = memory._settled(cfg, memory._resolve_mesh(cfg, 4), "tpu").resolved()
+    L, lanes = cfg.train_seq_len, bool(layer.head_dim % 128)  # the Pallas operands in 128-lane tiles (0.0.52)
+    per_row = {remat: memory._layer_bytes_per_row(layer, L, remat, False, False, lanes) for remat in ("none", "full")}
+    recompute = 4 * (per_row["none"] - per_row["full"])  # 4 rows per chip
+
+    def activations(newer, shares):
+        monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: newer)
+        monkeypatch.setattr(memory, "BACKWARD_RECOMPUTE_SHARE", shares)
+        return memory.estimate(cfg, 4, platform="tpu").activations
+
+    fitted, whole = memory.BACKWARD_RECOMPUTE_SHARE, {False: 1.0, True: 1.0}
+    share = fitted[True]
+    assert 0 < share < 1 and fitted[False] == 1.0
+    # at 4 rows per chip the layer's backward outweighs the gathered weights and the loss, so all of it shows
+    assert activations(True, whole) - activations(True, fitted) == pytest.approx((1 - share) * recompute, rel=1e-6)
+    assert activations(False, whole) == activations(False, fitted)
+
+
+def _tpu_matrix_records():
+    """The dense cases of benchmarks/bench_tpu_compile.py --matrix compiled with libtpu 0.0.52 at the defaults of
+    2026-11-28 (benchmarks/results/tpu.jsonl), the last record of each."""
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "tpu.jsonl"
+    cases = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if (r.get("name") == "matrix_case" and r.get("jaxperf_status") == "ok" and r.get("date", "") >= "2026-11-28"
+                and (r.get("libtpu") or {}).get("jaxperf") == "0.0.52"):
+            cases[(r["model"], r["topology"], r["rows_per_chip"], r["seq"], r["remat"])] = r
+    return list(cases.values())
+
+
+def test_the_tpu_estimate_within_10_percent_of_the_recorded_matrix(monkeypatch):
+    """The estimate for libtpu 0.0.52 against what that compiler reported for each recorded matrix case (7B to 13B
+    Llama-family models on v5p, v6e and v5e): nothing is compiled here, so a change to the estimate or to the model
+    that moves it off the compiler's figures shows without libtpu. A record whose program the defaults no longer
+    build is compiled again with bench_tpu_compile.py --matrix."""
+    monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: True)
+    records = _tpu_matrix_records()
+    assert len(records) >= 16
+    off = []
+    for r in records:
+        cfg = get_config(None, r["jaxperf_overrides"])
+        chips = int(np.prod([int(n) for n in r["topology"].split(":")[1].split("x")]))
+        ratio = memory.estimate(cfg, chips, platform="tpu").total / r["jaxperf_bytes"]
+        if abs(ratio - 1) > 0.10:
+            off.append(f"{r['model']} {r['topology']} {r['rows_per_chip']} x {r['seq']}: {ratio:.3f}")
+    assert not off, off
+
+
 # Allocator peaks (`peak_bytes_in_use`) of GPU train steps, GiB, measured with benchmarks/gpu_check.py
 # (benchmarks/results/gpu.jsonl): H100 80GB, jax 0.11.2, 2026-11-26 (the first five), H200, 2026-11-26 (the last).
 GPU_PEAKS = [

@@ -98,12 +98,22 @@ FITTED: dict[str, Fitted] = {
         "the weight-gradient stacks in the compute dtype, `layer_scan.remat_full_scan`), keyed as above: llama-1b, "
         "Pallas attention, chunked loss, remat full, one row per chip on v6e:2x2, k = 4 over k = 1: +724 MiB against "
         "+1245 with autodiff's scan (libtpu 0.0.50.1), +656 against +683 (0.0.52)"),
+    "backward_recompute_share": Fitted(
+        {False: 1.0, True: 0.75},
+        "the share of one scanned layer's recomputed activations (what its remat policy does not save) the TPU "
+        "compiler holds at once in the layer's backward, keyed by whether it is libtpu 0.0.52 or later (fitted on the "
+        "totals, not traced slot by slot): sixteen dense Llama-family cases of "
+        "benchmarks/bench_tpu_compile.py --matrix at remat full (7B to 13B, 2,048 to 8,192 tokens per chip, v5p, "
+        "v6e and v5e, 2026-11-28) put the estimate at 0.957-1.109x the compiled bytes counting all of it, "
+        "0.957-1.024x counting three quarters. Dense layers only: Mixtral-8x7B's MoE layers on v5p:2x4x4 (fsdp 32, "
+        "and expert 8) sit at 0.96x counting all, 0.93-0.94x counting three quarters"),
 }
 ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
 LOSS_OVERLAP_LIBTPU = FITTED["loss_overlap_libtpu"].value
 UNROLL_SHARES = FITTED["unroll_shares"].value
 UNROLL_SHARES_SPLIT_LOSS = FITTED["unroll_shares_split_loss"].value
 UNROLL_COMPACT_GRADS = FITTED["unroll_compact_grads"].value
+BACKWARD_RECOMPUTE_SHARE = FITTED["backward_recompute_share"].value
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -617,7 +627,9 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # the recomputed scores and probabilities
         per_score = {"none": 4 + s, "save_dots": 8 + s}.get(r.remat, 4)
         attention_grads = micro_rows * local.n_heads * seq * seq * per_score
-    layer_bwd = recompute + attention_grads
+    # what a scanned dense layer's backward holds of its recomputation (the older compilers, and MoE layers: all)
+    share = 1.0 if unrolled_layers or widest else BACKWARD_RECOMPUTE_SHARE[newer_tpu_compiler]
+    layer_bwd = share * recompute + attention_grads
     if unrolled_layers:
         # unstacked, a layer's saved arrays are freed as its backward reads them, and its gradients take their
         # buffers (a scan frees its stacked buffer only whole)
