@@ -237,7 +237,9 @@ def maxtext_python(arg: str | None) -> tuple[str | None, str]:
 
 def run_maxtext(python: str, topology: str, shapes: dict, per_device_batch: int, seq: int, remat: str,
                 model_flops: float, hardware_flops: float, timeout: float, model_name: str | None,
-                hlo_out: str | None = None) -> dict:
+                hlo_out: str | None = None, compiler_options: tuple[str, ...] = ()) -> dict:
+    """MaxText's train_compile of the same shapes in `python`; `compiler_options` ("name=value") reach its compile
+    through LIBTPU_INIT_ARGS, after any the environment sets."""
     if topology not in MAXTEXT_TOPOLOGY:
         raise ValueError(f"no MaxText name for topology {topology!r}; known: {', '.join(MAXTEXT_TOPOLOGY)}")
     argv = ["train_compile", str(_maxtext_base(python)), f"compile_topology={MAXTEXT_TOPOLOGY[topology]}",
@@ -259,6 +261,9 @@ def run_maxtext(python: str, topology: str, shapes: dict, per_device_batch: int,
             argv.append("decoder_block=llama2")
     env = _env()
     env.pop("XLA_FLAGS", None)
+    if compiler_options:
+        env["LIBTPU_INIT_ARGS"] = " ".join([env.get("LIBTPU_INIT_ARGS", ""), *(f"--{o}" for o in compiler_options)]
+                                           ).strip()
     out = subprocess.run([python, "-c", _MAXTEXT_DRIVER, json.dumps(argv), str(model_flops), str(hardware_flops),
                           hlo_out or ""],
                          capture_output=True, text=True, env=env, timeout=timeout)
@@ -372,7 +377,9 @@ def matrix_cases(models: list[str] | None = None, topologies: list[str] | None =
 
 
 def case_key(case: dict) -> tuple:
-    return tuple(case.get(k) for k in ("model", "topology", "rows_per_chip", "seq", "remat"))
+    """A case's identity for --resume: its shape and the compiler options both sides compiled it with."""
+    options = json.dumps(case.get("compiler_options") or {}, sort_keys=True)
+    return (*(case.get(k) for k in ("model", "topology", "rows_per_chip", "seq", "remat")), options)
 
 
 def _side(run, *args) -> tuple[dict | None, dict]:
@@ -411,13 +418,19 @@ PREDICTION_PARTS = ("step_s_no_overlap", "compute_s", "hbm_s", "collective_s", "
 
 def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: str | None = None,
              no_jaxperf: bool = False) -> dict:
-    """Compile one matrix case with jaxperf (default settings) and with MaxText, one after the other; one record."""
+    """Compile one matrix case with jaxperf (default settings) and with MaxText, one after the other; one record.
+    The case's `compiler_options` ({name: value}) go to both: jaxperf's `compiler_options`, MaxText's
+    LIBTPU_INIT_ARGS."""
     from jaxperf.config import get_config
     from jaxperf.perf.flops import flops_per_token
 
     shapes, model_overrides, model_name, _ = MODELS[case["model"]]
     seq, batch, topology = case["seq"], case["batch"], case["topology"]
     overrides = jaxperf_overrides(shapes, batch, seq, case["jaxperf_remat"]) + model_overrides
+    options = tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                    for k, v in (case.get("compiler_options") or {}).items())
+    if options:
+        overrides.append(f"compiler_options={','.join(options)}")
     tag = f"{case['model']}_{topology.replace(':', '-')}_r{case['rows_per_chip']}_s{seq}_{case['remat']}"
     rec = dict(case)
     jp = None
@@ -454,7 +467,7 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
         mside = {"status": "skipped", "fits": None, "error": why, "wall_s": 0.0}
     else:
         mt, mside = _side(run_maxtext, python, topology, shapes, case["rows_per_chip"], seq, case["maxtext_remat"],
-                          *flops, timeout, model_name, _hlo_path(hlo_dir, f"maxtext_{tag}"))
+                          *flops, timeout, model_name, _hlo_path(hlo_dir, f"maxtext_{tag}"), options)
     rec.update({f"maxtext_{k}": v for k, v in mside.items()})
     mcomp = (mt or {}).get("compiler") or {}
     rec.update({"maxtext_bytes": mt["bytes_per_chip"]["total"] if mt else None,
@@ -467,7 +480,9 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
                 "maxtext_interpreter": why, "model_flops_per_chip": flops[0], "hardware_flops_per_chip": flops[1],
                 "jax": {"jaxperf": jc["jax"], "maxtext": mcomp.get("jax")},
                 "libtpu": {"jaxperf": jc["libtpu"], "maxtext": mcomp.get("libtpu")},
-                "maxtext_version": mcomp.get("maxtext"), "jaxperf_overrides": overrides})
+                "maxtext_version": mcomp.get("maxtext"), "jaxperf_overrides": overrides,
+                # what else reached both sides' TPU compiler: the environment's own settings
+                "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS") or None})
     if rec["hbm_bytes"] is None and mt:
         rec["hbm_bytes"] = mt.get("hbm_bytes")
     both = rec["jaxperf_bytes"] and rec["maxtext_bytes"]
@@ -487,6 +502,14 @@ def run_matrix(a) -> list[dict]:
     default_remat = maxtext_default_remat(base_yml)
     cases = matrix_cases(_split(a.models), _split(a.topologies), _split(a.rows, int), _split(a.seqs, int),
                          _split(a.remats), default_remat)
+    from jaxperf.config import ConfigError
+    from jaxperf.config.validate import compiler_options
+    try:
+        options = compiler_options(a.compiler_option, "tpu")
+    except ConfigError as e:
+        raise SystemExit(f"bench_tpu_compile: --compiler-option: {e}") from None
+    for c in cases:
+        c["compiler_options"] = options
     out = Path(a.out) if a.out else DEFAULT_OUT
     if a.resume and out.is_file():
         done = set()
@@ -550,6 +573,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     m.add_argument("--remats", default=None, help=f"MaxText remat_policy names ({', '.join(MAXTEXT_REMAT)}) or "
                                                   "default (MaxText's base.yml remat_policy)")
     m.add_argument("--limit", type=int, default=None, help="only the first N cases")
+    m.add_argument("--compiler-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA option for both sides' compiles (jaxperf's compiler_options, MaxText's "
+                        "LIBTPU_INIT_ARGS), kept in each record; repeat for more")
     m.add_argument("--list", action="store_true", help="print the cases (one JSON line each) without compiling")
     m.add_argument("--resume", action="store_true", help="skip the cases --out already holds with both sides "
                                                          "compiled or out of memory")

@@ -2,6 +2,7 @@
 MaxText's maps onto jaxperf's, all without compiling (--list)."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -48,3 +49,48 @@ def test_dense_models_carry_maxtexts_shapes(tpu_bench):
         40, 5120, 13824)
     assert shapes["llama3-8b"] == shapes["llama3.1-8b"] and shapes["llama3-8b"]["vocab_size"] == 128256
     assert (shapes["mistral-7b"]["n_kv_heads"], shapes["mistral-7b"]["rope_theta"]) == (8, 1e6)
+
+
+def test_a_compiler_option_reaches_both_sides_and_the_record(tpu_bench, monkeypatch, capsys):
+    """--compiler-option goes to jaxperf as compiler_options and to MaxText through LIBTPU_INIT_ARGS; the record and
+    --resume's key carry it, so a flagged case is not taken for the default one."""
+    flag = "xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
+    real_maxtext = tpu_bench.run_maxtext
+    cases = tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--limit", "1", "--compiler-option", flag])
+    capsys.readouterr()
+    assert cases[0]["compiler_options"] == {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
+    assert tpu_bench.case_key(cases[0]) != tpu_bench.case_key({**cases[0], "compiler_options": {}})
+    with pytest.raises(SystemExit, match="option of the GPU compiler"):
+        tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--compiler-option", "xla_gpu_enable_triton_gemm=0"])
+
+    seen = {}
+    prediction = {"step_s": 1.0, "mfu": 0.5, "bound_by": "compute", "hbm_bytes": 1.0, "collective_wire_bytes": 1.0,
+                  "collectives": {}, "unknown_trip_counts": []}
+
+    def fake_jaxperf(topology, overrides, timeout, hlo_out=None):
+        seen["jaxperf"] = overrides
+        return {"bytes_per_chip": {"total": 1}, "prediction": prediction, "model_flops_per_chip": 1.0,
+                "flops_per_chip": 1.0}
+
+    def fake_maxtext(*args):
+        seen["maxtext"] = args[-1]
+        return {"bytes_per_chip": {"total": 2}, "prediction": prediction, "compile_s": 1.0, "compiler": {}}
+
+    monkeypatch.setattr(tpu_bench, "run_jaxperf", fake_jaxperf)
+    monkeypatch.setattr(tpu_bench, "run_maxtext", fake_maxtext)
+    monkeypatch.setattr(tpu_bench, "_libtpu_dir", lambda: "/nowhere")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=98304")
+    rec = tpu_bench.run_case(cases[0], "python", "test", 1.0)
+    assert seen["jaxperf"][-1] == f"compiler_options={flag}" and seen["maxtext"] == (flag,)
+    assert rec["compiler_options"] == cases[0]["compiler_options"]
+    assert rec["libtpu_init_args"] == "--xla_tpu_scoped_vmem_limit_kib=98304"
+
+    def fake_run(cmd, **kw):
+        seen["env"] = kw["env"]
+        return subprocess.CompletedProcess(cmd, 0, stdout='MAXTEXT_JSON {"ok": 1}\n', stderr="")
+
+    monkeypatch.setattr(tpu_bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(tpu_bench, "_maxtext_base", lambda python: "base.yml")
+    assert real_maxtext("python", "v5p:2x2x2", {}, 1, 2048, "full", 1.0, 1.0, 1.0, "llama2-7b", None, (flag,)) == {
+        "ok": 1}
+    assert seen["env"]["LIBTPU_INIT_ARGS"] == f"--xla_tpu_scoped_vmem_limit_kib=98304 --{flag}"

@@ -159,3 +159,23 @@ def test_a_config_read_back_from_config_json_has_no_changes():
     assert config_changes(saved, to_dict(get_config("tiny", ["remat=custom", "remat_save=query_proj"]))) == {}
     assert config_changes(saved, to_dict(get_config("tiny", ["remat=custom", "remat_save=key_proj"]))) == {
         "model.remat_save": (["query_proj"], ["key_proj"])}
+
+
+def test_compiler_options_parse_to_typed_values_and_refuse_what_cannot_work():
+    from jaxperf.config.validate import compiler_options
+
+    cfg = get_config("tiny", ["compiler_options=xla_tpu_enable_windowed_einsum_for_reduce_scatter=false,"
+                              "xla_tpu_scoped_vmem_limit_kib=98304"])
+    assert compiler_options(cfg.compiler_options, "tpu") == {
+        "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False, "xla_tpu_scoped_vmem_limit_kib": 98304}
+    assert compiler_options(("a=0.5", "b=True", "c=some text")) == {"a": 0.5, "b": True, "c": "some text"}
+    for entries, message in [(("xla_tpu_foo",), "is not name=value"), (("=1",), "is not name=value"),
+                             (("Bad-Name=1",), "is not name=value"), (("a=1", "a=2"), "names a twice"),
+                             (("xla_gpu_enable_triton_gemm=false",), "option of the GPU compiler")]:
+        with pytest.raises(ConfigError, match=message):
+            compiler_options(entries, "tpu")
+    with pytest.raises(ConfigError, match="option of the TPU compiler and this step compiles for CPU"):
+        compiler_options(cfg.compiler_options, "cpu")
+    assert compiler_options(("xla_gpu_enable_triton_gemm=false",)) == {"xla_gpu_enable_triton_gemm": False}
+    with pytest.raises(ConfigError, match="is not name=value"):
+        validate(get_config("tiny", ["compiler_options=oops"]), 1)

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from helpers import SMALL_RUN, flat, make_task, random_batches, run_cli
-from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, get_config, validate
+from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, get_config, validate
 from jaxperf.explicit.flavours import build_train_step
 from jaxperf.models import GPT
 from jaxperf.models.gpt import gpt_loss
-from jaxperf.step.task import Task
+from jaxperf.parallel.mesh import make_mesh
+from jaxperf.step.task import Task, build_task
 from jaxperf.checkpoint import Checkpointer
 from jaxperf.train.trainer import Trainer
 
@@ -360,3 +361,32 @@ def test_layer_gradient_stacks_in_the_compute_dtype_change_no_bit_of_a_sharded_s
     assert params[0].keys() == params[1].keys()
     for k in params[0]:
         np.testing.assert_array_equal(np.asarray(params[0][k]), np.asarray(params[1][k]), err_msg=k)
+
+
+def test_compiler_options_reach_each_flavours_step_and_nothing_else():
+    """cfg.compiler_options go to jax.jit for the task's train and eval steps (every jit flavour), are checked
+    against the attached compiler when the task is built, and the pmap step, which jax.jit does not build, refuses
+    them."""
+    parallel = ParallelConfig(strategy="fsdp", fsdp=8)
+    cfg = TrainConfig(model=MODEL, optim=OPTIM, parallel=parallel, batch_size=BATCH,
+                      compiler_options=("xla_embed_ir_in_executable=true",))
+    mesh = make_mesh(parallel)
+    task = build_task(cfg, mesh)
+    assert task.compiler_options == {"xla_embed_ir_in_executable": True}
+    state = task.init_state()
+    batch = {k: np.asarray(v) for k, v in random_batches(1, batch=BATCH, seq=SEQ)[0].items()}
+    build_train_step(task, task.loss_fn, "jit").fn(state, batch)  # an option the compiler knows: the step runs
+    # a name the compiler does not know, given to a built task, fails the step's own compile: the option got there
+    bad = task.replace(compiler_options={"no_such_xla_option": True})
+    for step in (build_train_step(bad, bad.loss_fn, "jit").fn, build_train_step(bad, bad.loss_fn, "shard_map").fn,
+                 bad.eval_step()):
+        with pytest.raises(Exception, match="no_such_xla_option"):
+            step.lower(task.abstract_state(), batch).compile()
+    # ... and in a config it is one line when the task is built, before the step compiles
+    with pytest.raises(ConfigError, match="CPU compiler refuses"):
+        build_task(dataclasses.replace(cfg, compiler_options=("no_such_xla_option=1",)), mesh)
+    dp = make_task(MODEL, ParallelConfig(strategy="dp", data=8), optim=OPTIM).replace(compiler_options={"a": 1})
+    with pytest.raises(ConfigError, match="pmap step takes none"):
+        build_train_step(dp, dp.loss_fn, "pmap")
+    with pytest.raises(ConfigError, match="parallel.flavour=pmap takes none"):
+        validate(dataclasses.replace(cfg, parallel=ParallelConfig(strategy="dp", flavour="pmap")), 8)

@@ -266,6 +266,9 @@ class TrainConfig:
     keep_checkpoints_every: int = 0  # ... plus every step that is a multiple of this (0 = none)
     # JAX's persistent compilation cache ("" = off); by default JAX's own JAX_COMPILATION_CACHE_DIR where it is set
     compile_cache_dir: str = field(default_factory=default_compile_cache_dir)
+    # XLA options for this run's train and eval steps alone, "name=value" each (comma-separated), e.g.
+    # xla_tpu_enable_windowed_einsum_for_reduce_scatter=false: given to jax.jit, not to the process (LIBTPU_INIT_ARGS)
+    compiler_options: tuple[str, ...] = ()
     check_memory: bool = True  # estimate per-device memory before compiling; refuse with advice when it cannot fit
     handle_signals: bool = True  # SIGTERM / Ctrl-C: save a checkpoint at the next step and exit cleanly
     run_dir: str = "runs/default"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 
 from jaxperf.config.schema import (
     REMAT_NAMES, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig, TrainConfig, choices,
@@ -168,6 +169,44 @@ def _validate_stage_seq(cfg: TrainConfig, shape: dict[str, int]) -> None:
                               f"use one of them")
 
 
+_OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
+# options named for one XLA backend; the others refuse them at compile time ("No such compile option")
+_BACKEND_PREFIXES = {"xla_tpu_": "tpu", "xla_jf_": "tpu", "xla_gpu_": "gpu", "xla_cpu_": "cpu"}
+
+
+def compiler_options(entries: tuple[str, ...] | list[str],
+                     platform: str | None = None) -> dict[str, bool | int | float | str]:
+    """{name: value} of `compiler_options` entries ("name=value"; true/false become bools, numbers numbers), for
+    jax.jit's `compiler_options`. ConfigError, before anything compiles, for an entry that is not name=value, a name
+    given twice, or an option named for another backend than `platform` ("tpu", "gpu", "cpu") where it is known."""
+    out: dict[str, bool | int | float | str] = {}
+    for entry in entries:
+        name, eq, raw = str(entry).partition("=")
+        name, raw = name.strip(), raw.strip()
+        if not eq or not raw or not _OPTION_NAME.fullmatch(name):
+            raise ConfigError(f"compiler_options entry {entry!r} is not name=value (e.g. "
+                              f"xla_tpu_enable_windowed_einsum_for_reduce_scatter=false)")
+        if name in out:
+            raise ConfigError(f"compiler_options names {name} twice: keep one value")
+        backend = next((b for prefix, b in _BACKEND_PREFIXES.items() if name.startswith(prefix)), None)
+        if platform and backend and backend != platform:
+            raise ConfigError(f"compiler_options: {name} is an option of the {backend.upper()} compiler and this step "
+                              f"compiles for {platform.upper()}: drop it, or run on {backend.upper()}")
+        low = raw.lower()
+        if low in ("true", "false"):
+            value: bool | int | float | str = low == "true"
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    value = raw
+        out[name] = value
+    return out
+
+
 def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = None, *, model: bool = True):
     """Raise ConfigError for a run that cannot work, before compiling anything.
 
@@ -176,6 +215,10 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
     """
     check_ranges(cfg)
     validate_flavour(cfg.parallel)
+    compiler_options(cfg.compiler_options)
+    if cfg.compiler_options and cfg.parallel.flavour == "pmap":
+        raise ConfigError("compiler_options are given to jax.jit; parallel.flavour=pmap takes none: use "
+                          "parallel.flavour=shard_map (or jit) for the same data-parallel step")
     if cfg.parallel.overlap_grad_reduce and (cfg.parallel.flavour, cfg.parallel.strategy, cfg.microbatches) != (
             "shard_map", "dp", 1):
         raise ConfigError(

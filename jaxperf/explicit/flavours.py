@@ -475,7 +475,8 @@ def shard_map_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, 
             return finish_step(task.tx, task.health, state, grads, l / (w * scale), w, model_state, schedule)
 
     jitted = jax.jit(step, in_shardings=(state_shardings, task.batch_sharding()),
-                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else ())
+                     out_shardings=(state_shardings, replicated(mesh)), donate_argnums=(0,) if donate else (),
+                     compiler_options=task.compiler_options or None)
     return FlavouredStep("shard_map", jitted)
 
 
@@ -488,6 +489,9 @@ def pmap_train_step(task: Task, loss_fn: LossFn, *, microbatches: int = 1, sched
     axes) and regrouped per device as [n, b, ...] without moving data; metrics come back as scalars.
     """
     _check_by_hand("pmap", task)
+    if task.compiler_options:
+        raise ConfigError(f"compiler_options ({', '.join(task.compiler_options)}) are given to jax.jit; the pmap step "
+                          f"takes none: use the shard_map (or jit) flavour for the same data-parallel step")
     devices = list(task.mesh.devices.flat)
     n = len(devices)
     stacked = NamedSharding(_compat.make_mesh((n,), (PMAP_AXIS,), devices=devices), P(PMAP_AXIS))

@@ -28,7 +28,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from jaxperf import _compat
-from jaxperf.config import TrainConfig
+from jaxperf.config import ConfigError, TrainConfig
+from jaxperf.config.validate import compiler_options
 from jaxperf.models.gpt import GPT, cross_entropy_from_logits, gpt_loss
 from jaxperf.models.hooks import ContextSpec, ExpertSpec, LayerHooks, PipelineSpec
 from jaxperf.models.moe import routes_per_device
@@ -151,6 +152,8 @@ class Task:
     schedule: Callable | None = None  # the learning-rate schedule, reported as metrics["lr"]
     layer_stack: str | None = None  # the model's stacked layers' key in the parameter tree (jaxperf.models.hooks)
     hooks: LayerHooks | None = None  # installed on the model by every step of this task (e.g. a pipeline)
+    # XLA options of this task's train and eval steps alone (TrainConfig.compiler_options), as jax.jit takes them
+    compiler_options: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, make_model, mesh: Mesh, rules: Rules, tx=None, *, seed: int = 0,
@@ -328,6 +331,7 @@ class Task:
             in_shardings=(shardings, self.batch_sharding()),
             out_shardings=(shardings, replicated(self.mesh)),
             donate_argnums=(0,) if donate else (),
+            compiler_options=self.compiler_options or None,
         )
 
     def eval_step(self, loss_fn: LossFn | None = None):
@@ -341,7 +345,7 @@ class Task:
             return {"loss": loss, "tokens": weight}
 
         return jax.jit(step, in_shardings=(self.state_shardings(), self.batch_sharding()),
-                       out_shardings=replicated(self.mesh))
+                       out_shardings=replicated(self.mesh), compiler_options=self.compiler_options or None)
 
 
 def _weighted(loss, w, grads):
@@ -381,6 +385,24 @@ def step_microbatches(cfg: TrainConfig) -> int:
     return 1 if cfg.parallel.stage > 1 else cfg.microbatches
 
 
+def _compiler_options(cfg: TrainConfig, mesh: Mesh) -> dict[str, Any] | None:
+    """cfg.compiler_options for jax.jit, checked against the mesh's platform; where the mesh's devices are attached,
+    compiled once into an empty program, so that a name the compiler does not know is one line here rather than an
+    error from the step's first compile."""
+    platform = platform_of(mesh)
+    options = compiler_options(cfg.compiler_options, platform)
+    if not options:
+        return None
+    device = mesh.devices.flat[0]
+    if device.platform == jax.default_backend():  # not a TPU topology described on a CPU host
+        try:
+            jax.jit(lambda: jnp.zeros(()), compiler_options=options).lower().compile()
+        except Exception as e:  # XLA: "INVALID_ARGUMENT: No such compile option: 'x'", or a value it cannot parse
+            raise ConfigError(f"compiler_options {', '.join(cfg.compiler_options)}: the {platform.upper()} compiler "
+                              f"refuses them ({str(e).splitlines()[0][:200]}): check the names and values") from None
+    return options
+
+
 def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nnx.Module] | None = None, *,
                loss_fn: LossFn | None = None, tx: optax.GradientTransformation | None = None,
                with_optimizer: bool = True) -> Task:
@@ -415,7 +437,7 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
         loss_fn = loss_fn or gpt_loss
     task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),
-                       loss_fn=loss_fn).replace(hooks=hooks)
+                       loss_fn=loss_fn).replace(hooks=hooks, compiler_options=_compiler_options(cfg, mesh))
     if not with_optimizer:
         return task
     schedule = None

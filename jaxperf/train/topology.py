@@ -151,6 +151,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "flavour": cfg.parallel.flavour,
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
+        "compiler_options": dict(task.compiler_options or {}),  # given to this program's compile alone
         # layers per loop iteration: with remat, that many layers' recomputed activations are live at once
         "layers": {"n": cfg.model.n_layers, "scanned": cfg.model.scan_layers,
                    "per_iteration": layers_per_iteration(cfg.model, platform) if cfg.model.scan_layers
@@ -196,6 +197,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         "implementations: " + "; ".join(f"{op}={c['impl']} ({c['why']})" for op, c in r["implementations"].items()),
         _layers_line(r["layers"]),
+        *(["compiler options: " + ", ".join(f"{k}={v}" for k, v in r["compiler_options"].items())]
+          if r.get("compiler_options") else []),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"
         f" -> {b['total'] / GiB:.2f} GiB" + (f"; host memory {b['host_temp'] / GiB:.2f} GiB (offloaded activations)"

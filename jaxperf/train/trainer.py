@@ -299,6 +299,9 @@ class Trainer:
             log(describe_settled(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
             if self.cfg.model.n_experts:
                 log(moe.describe(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
+        if self.task.compiler_options:
+            log("compiler options (this run's train and eval steps): "
+                + ", ".join(f"{k}={v}" for k, v in self.task.compiler_options.items()))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))
