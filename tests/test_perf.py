@@ -399,7 +399,8 @@ def _tpu_matrix_records():
         r = json.loads(line)
         if (r.get("name") == "matrix_case" and r.get("jaxperf_status") == "ok" and r.get("date", "") >= "2026-11-28"
                 and (r.get("libtpu") or {}).get("jaxperf") == "0.0.52"):
-            cases[(r["model"], r["topology"], r["rows_per_chip"], r["seq"], r["remat"])] = r
+            options = json.dumps(r.get("compiler_options") or {}, sort_keys=True)
+            cases[(r["model"], r["topology"], r["rows_per_chip"], r["seq"], r["remat"], options)] = r
     return list(cases.values())
 
 
@@ -410,7 +411,7 @@ def test_the_tpu_estimate_within_10_percent_of_the_recorded_matrix(monkeypatch):
     build is compiled again with bench_tpu_compile.py --matrix."""
     monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: True)
     records = _tpu_matrix_records()
-    assert len(records) >= 16
+    assert len(records) >= 17
     off = []
     for r in records:
         cfg = get_config(None, r["jaxperf_overrides"])
