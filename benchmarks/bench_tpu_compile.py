@@ -377,9 +377,11 @@ def matrix_cases(models: list[str] | None = None, topologies: list[str] | None =
 
 
 def case_key(case: dict) -> tuple:
-    """A case's identity for --resume: its shape and the compiler options both sides compiled it with."""
+    """A case's identity for --resume: its shape and the compiler options both sides compiled it with (given with
+    --compiler-option, and whatever LIBTPU_INIT_ARGS set)."""
     options = json.dumps(case.get("compiler_options") or {}, sort_keys=True)
-    return (*(case.get(k) for k in ("model", "topology", "rows_per_chip", "seq", "remat")), options)
+    return (*(case.get(k) for k in ("model", "topology", "rows_per_chip", "seq", "remat")), options,
+            case.get("libtpu_init_args") or None)
 
 
 def _side(run, *args) -> tuple[dict | None, dict]:
@@ -427,8 +429,8 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
     shapes, model_overrides, model_name, _ = MODELS[case["model"]]
     seq, batch, topology = case["seq"], case["batch"], case["topology"]
     overrides = jaxperf_overrides(shapes, batch, seq, case["jaxperf_remat"]) + model_overrides
-    options = tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
-                    for k, v in (case.get("compiler_options") or {}).items())
+    from jaxperf.config.validate import compiler_option_entries
+    options = tuple(compiler_option_entries(case.get("compiler_options")))
     if options:
         overrides.append(f"compiler_options={','.join(options)}")
     tag = f"{case['model']}_{topology.replace(':', '-')}_r{case['rows_per_chip']}_s{seq}_{case['remat']}"
@@ -480,9 +482,7 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
                 "maxtext_interpreter": why, "model_flops_per_chip": flops[0], "hardware_flops_per_chip": flops[1],
                 "jax": {"jaxperf": jc["jax"], "maxtext": mcomp.get("jax")},
                 "libtpu": {"jaxperf": jc["libtpu"], "maxtext": mcomp.get("libtpu")},
-                "maxtext_version": mcomp.get("maxtext"), "jaxperf_overrides": overrides,
-                # what else reached both sides' TPU compiler: the environment's own settings
-                "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS") or None})
+                "maxtext_version": mcomp.get("maxtext"), "jaxperf_overrides": overrides})
     if rec["hbm_bytes"] is None and mt:
         rec["hbm_bytes"] = mt.get("hbm_bytes")
     both = rec["jaxperf_bytes"] and rec["maxtext_bytes"]
@@ -508,8 +508,9 @@ def run_matrix(a) -> list[dict]:
         options = compiler_options(a.compiler_option, "tpu")
     except ConfigError as e:
         raise SystemExit(f"bench_tpu_compile: --compiler-option: {e}") from None
-    for c in cases:
+    for c in cases:  # what reaches both sides' compiler besides the shapes: the options, and the environment's
         c["compiler_options"] = options
+        c["libtpu_init_args"] = os.environ.get("LIBTPU_INIT_ARGS") or None
     out = Path(a.out) if a.out else DEFAULT_OUT
     if a.resume and out.is_file():
         done = set()
@@ -584,6 +585,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a = ap.parse_args(argv)
     if a.matrix:
         return run_matrix(a)
+    if a.compiler_option:
+        ap.error("--compiler-option applies to --matrix cases")
     if a.list:
         ap.error("--list lists the cases of --matrix")
 

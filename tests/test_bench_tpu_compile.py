@@ -56,12 +56,17 @@ def test_a_compiler_option_reaches_both_sides_and_the_record(tpu_bench, monkeypa
     --resume's key carry it, so a flagged case is not taken for the default one."""
     flag = "xla_tpu_enable_windowed_einsum_for_reduce_scatter=false"
     real_maxtext = tpu_bench.run_maxtext
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=98304")
     cases = tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--limit", "1", "--compiler-option", flag])
     capsys.readouterr()
     assert cases[0]["compiler_options"] == {"xla_tpu_enable_windowed_einsum_for_reduce_scatter": False}
-    assert tpu_bench.case_key(cases[0]) != tpu_bench.case_key({**cases[0], "compiler_options": {}})
-    with pytest.raises(SystemExit, match="option of the GPU compiler"):
-        tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--compiler-option", "xla_gpu_enable_triton_gemm=0"])
+    assert cases[0]["libtpu_init_args"] == "--xla_tpu_scoped_vmem_limit_kib=98304"
+    for other in ({"compiler_options": {}}, {"libtpu_init_args": None}):  # --resume tells them apart
+        assert tpu_bench.case_key(cases[0]) != tpu_bench.case_key({**cases[0], **other})
+    with pytest.raises(SystemExit, match="is not name=value"):
+        tpu_bench.main(["--matrix", "--list", "--no-maxtext", "--compiler-option", "xla_tpu_foo"])
+    with pytest.raises(SystemExit):  # the single compile does not take it
+        tpu_bench.main(["--no-maxtext", "--compiler-option", flag])
 
     seen = {}
     prediction = {"step_s": 1.0, "mfu": 0.5, "bound_by": "compute", "hbm_bytes": 1.0, "collective_wire_bytes": 1.0,
@@ -79,7 +84,6 @@ def test_a_compiler_option_reaches_both_sides_and_the_record(tpu_bench, monkeypa
     monkeypatch.setattr(tpu_bench, "run_jaxperf", fake_jaxperf)
     monkeypatch.setattr(tpu_bench, "run_maxtext", fake_maxtext)
     monkeypatch.setattr(tpu_bench, "_libtpu_dir", lambda: "/nowhere")
-    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=98304")
     rec = tpu_bench.run_case(cases[0], "python", "test", 1.0)
     assert seen["jaxperf"][-1] == f"compiler_options={flag}" and seen["maxtext"] == (flag,)
     assert rec["compiler_options"] == cases[0]["compiler_options"]

@@ -168,14 +168,15 @@ def test_compiler_options_parse_to_typed_values_and_refuse_what_cannot_work():
                               "xla_tpu_scoped_vmem_limit_kib=98304"])
     assert compiler_options(cfg.compiler_options, "tpu") == {
         "xla_tpu_enable_windowed_einsum_for_reduce_scatter": False, "xla_tpu_scoped_vmem_limit_kib": 98304}
-    assert compiler_options(("a=0.5", "b=True", "c=some text")) == {"a": 0.5, "b": True, "c": "some text"}
+    assert compiler_options(("a=0.5", "b=True", "c=some text", "d='1'", 'e="true"')) == {
+        "a": 0.5, "b": True, "c": "some text", "d": "1", "e": "true"}  # quoted: text, as a string option needs
     for entries, message in [(("xla_tpu_foo",), "is not name=value"), (("=1",), "is not name=value"),
-                             (("Bad-Name=1",), "is not name=value"), (("a=1", "a=2"), "names a twice"),
-                             (("xla_gpu_enable_triton_gemm=false",), "option of the GPU compiler")]:
+                             (("Bad-Name=1",), "is not name=value"), (("a=1", "a=2"), "names a twice")]:
         with pytest.raises(ConfigError, match=message):
             compiler_options(entries, "tpu")
-    with pytest.raises(ConfigError, match="option of the TPU compiler and this step compiles for CPU"):
-        compiler_options(cfg.compiler_options, "cpu")
-    assert compiler_options(("xla_gpu_enable_triton_gemm=false",)) == {"xla_gpu_enable_triton_gemm": False}
+    for platform in ("cpu", "gpu"):  # the TPU compiler's own options; XLA's common ones (xla_gpu_...) go anywhere
+        with pytest.raises(ConfigError, match=f"TPU compiler and this step compiles for {platform.upper()}"):
+            compiler_options(cfg.compiler_options, platform)
+    assert compiler_options(("xla_gpu_enable_triton_gemm=false",), "tpu") == {"xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ConfigError, match="is not name=value"):
         validate(get_config("tiny", ["compiler_options=oops"]), 1)

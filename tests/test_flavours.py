@@ -385,6 +385,11 @@ def test_compiler_options_reach_each_flavours_step_and_nothing_else():
     # ... and in a config it is one line when the task is built, before the step compiles
     with pytest.raises(ConfigError, match="CPU compiler refuses"):
         build_task(dataclasses.replace(cfg, compiler_options=("no_such_xla_option=1",)), mesh)
+    # a TPU run's options: refused for a CPU step, no matter to a task that only serves (no train or eval step)
+    tpu_run = dataclasses.replace(cfg, compiler_options=("xla_tpu_enable_windowed_einsum_for_reduce_scatter=false",))
+    with pytest.raises(ConfigError, match="option of the TPU compiler"):
+        build_task(tpu_run, mesh)
+    assert build_task(tpu_run, mesh, with_optimizer=False).compiler_options is None
     dp = make_task(MODEL, ParallelConfig(strategy="dp", data=8), optim=OPTIM).replace(compiler_options={"a": 1})
     with pytest.raises(ConfigError, match="pmap step takes none"):
         build_train_step(dp, dp.loss_fn, "pmap")

@@ -399,12 +399,12 @@ def _tpu_matrix_records():
         r = json.loads(line)
         if (r.get("name") == "matrix_case" and r.get("jaxperf_status") == "ok" and r.get("date", "") >= "2026-11-28"
                 and (r.get("libtpu") or {}).get("jaxperf") == "0.0.52"):
-            options = json.dumps(r.get("compiler_options") or {}, sort_keys=True)
-            cases[(r["model"], r["topology"], r["rows_per_chip"], r["seq"], r["remat"], options)] = r
+            options = json.dumps(r.get("compiler_options") or {}, sort_keys=True), r.get("libtpu_init_args")
+            cases[(r["model"], r["topology"], r["rows_per_chip"], r["seq"], r["remat"], *options)] = r
     return list(cases.values())
 
 
-def test_the_tpu_estimate_within_10_percent_of_the_recorded_matrix(monkeypatch):
+def test_the_tpu_estimate_within_5_percent_of_the_recorded_matrix(monkeypatch):
     """The estimate for libtpu 0.0.52 against what that compiler reported for each recorded matrix case (7B to 13B
     Llama-family models on v5p, v6e and v5e): nothing is compiled here, so a change to the estimate or to the model
     that moves it off the compiler's figures shows without libtpu. A record whose program the defaults no longer
@@ -417,7 +417,7 @@ def test_the_tpu_estimate_within_10_percent_of_the_recorded_matrix(monkeypatch):
         cfg = get_config(None, r["jaxperf_overrides"])
         chips = int(np.prod([int(n) for n in r["topology"].split(":")[1].split("x")]))
         ratio = memory.estimate(cfg, chips, platform="tpu").total / r["jaxperf_bytes"]
-        if abs(ratio - 1) > 0.10:
+        if abs(ratio - 1) > 0.05:  # the goal is 10%; 5% holds the fitted share (0.957-1.024 when it was fitted)
             off.append(f"{r['model']} {r['topology']} {r['rows_per_chip']} x {r['seq']}: {ratio:.3f}")
     assert not off, off
 

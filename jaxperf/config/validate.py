@@ -170,15 +170,17 @@ def _validate_stage_seq(cfg: TrainConfig, shape: dict[str, int]) -> None:
 
 
 _OPTION_NAME = re.compile(r"[a-z][a-z0-9_]*")
-# options named for one XLA backend; the others refuse them at compile time ("No such compile option")
-_BACKEND_PREFIXES = {"xla_tpu_": "tpu", "xla_jf_": "tpu", "xla_gpu_": "gpu", "xla_cpu_": "cpu"}
+# the TPU compiler's own options: XLA:CPU and XLA:GPU refuse them ("No such compile option"); the xla_gpu_ and
+# xla_cpu_ ones are fields of XLA's common debug options, which every backend takes
+_TPU_PREFIXES = ("xla_tpu_", "xla_jf_")
 
 
 def compiler_options(entries: tuple[str, ...] | list[str],
                      platform: str | None = None) -> dict[str, bool | int | float | str]:
-    """{name: value} of `compiler_options` entries ("name=value"; true/false become bools, numbers numbers), for
-    jax.jit's `compiler_options`. ConfigError, before anything compiles, for an entry that is not name=value, a name
-    given twice, or an option named for another backend than `platform` ("tpu", "gpu", "cpu") where it is known."""
+    """{name: value} of `compiler_options` entries ("name=value"; true/false become bools, numbers numbers, a value
+    in quotes stays text), for jax.jit's `compiler_options`. ConfigError, before anything compiles, for an entry that
+    is not name=value, a name given twice, or a TPU compiler option where `platform` ("tpu", "gpu", "cpu") is
+    another."""
     out: dict[str, bool | int | float | str] = {}
     for entry in entries:
         name, eq, raw = str(entry).partition("=")
@@ -188,13 +190,14 @@ def compiler_options(entries: tuple[str, ...] | list[str],
                               f"xla_tpu_enable_windowed_einsum_for_reduce_scatter=false)")
         if name in out:
             raise ConfigError(f"compiler_options names {name} twice: keep one value")
-        backend = next((b for prefix, b in _BACKEND_PREFIXES.items() if name.startswith(prefix)), None)
-        if platform and backend and backend != platform:
-            raise ConfigError(f"compiler_options: {name} is an option of the {backend.upper()} compiler and this step "
-                              f"compiles for {platform.upper()}: drop it, or run on {backend.upper()}")
+        if platform and platform != "tpu" and name.startswith(_TPU_PREFIXES):
+            raise ConfigError(f"compiler_options: {name} is an option of the TPU compiler and this step compiles for "
+                              f"{platform.upper()}: drop it, or run on TPU")
         low = raw.lower()
-        if low in ("true", "false"):
-            value: bool | int | float | str = low == "true"
+        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+            value: bool | int | float | str = raw[1:-1]
+        elif low in ("true", "false"):
+            value = low == "true"
         else:
             try:
                 value = int(raw)
@@ -205,6 +208,11 @@ def compiler_options(entries: tuple[str, ...] | list[str],
                     value = raw
         out[name] = value
     return out
+
+
+def compiler_option_entries(options: dict[str, bool | int | float | str] | None) -> list[str]:
+    """["name=value", ...] of parsed options, as a user writes them (booleans as true/false)."""
+    return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in (options or {}).items()]
 
 
 def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = None, *, model: bool = True):

@@ -437,9 +437,10 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
         loss_fn = loss_fn or gpt_loss
     task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),
-                       loss_fn=loss_fn).replace(hooks=hooks, compiler_options=_compiler_options(cfg, mesh))
-    if not with_optimizer:
+                       loss_fn=loss_fn).replace(hooks=hooks)
+    if not with_optimizer:  # no train or eval step: a TPU run's options do not stop serving it on a CPU or GPU
         return task
+    task = task.replace(compiler_options=_compiler_options(cfg, mesh))
     schedule = None
     if tx is None:
         tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(task.param_axes, task.abstract_params))

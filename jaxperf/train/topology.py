@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 
 from jaxperf.config import mesh_shape, validate
+from jaxperf.config.validate import compiler_option_entries
 from jaxperf.step.flavours import build_train_step
 from jaxperf.models.platform import implementation_choices, layers_per_iteration
 from jaxperf.parallel.mesh import make_mesh, platform_of
@@ -197,7 +198,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"batch {r['batch']} x {r['seq_len']} (compiled in {r['compile_s']:.1f} s)",
         "implementations: " + "; ".join(f"{op}={c['impl']} ({c['why']})" for op, c in r["implementations"].items()),
         _layers_line(r["layers"]),
-        *(["compiler options: " + ", ".join(f"{k}={v}" for k, v in r["compiler_options"].items())]
+        *(["compiler options: " + ", ".join(compiler_option_entries(r["compiler_options"]))]
           if r.get("compiler_options") else []),
         f"per chip: arguments {b['arguments'] / GiB:.2f} GiB, outputs {b['outputs'] / GiB:.2f} GiB "
         f"(aliased {b['aliased'] / GiB:.2f}), temporaries {b['temp'] / GiB:.2f} GiB, code {b['code'] / 2**20:.1f} MiB"

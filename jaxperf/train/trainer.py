@@ -28,6 +28,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jaxperf.config import ConfigError, TrainConfig, mesh_shape, to_dict, validate
+from jaxperf.config.validate import compiler_option_entries
 from jaxperf.data import (Prefetcher, datasets_for, process_rows, to_global_array, tokenizer_for, vocab_note,
                           with_vocab)
 from jaxperf.generate import Generator
@@ -301,7 +302,7 @@ class Trainer:
                 log(moe.describe(self.cfg, dict(self.mesh.shape), platform_of(self.mesh)))
         if self.task.compiler_options:
             log("compiler options (this run's train and eval steps): "
-                + ", ".join(f"{k}={v}" for k, v in self.task.compiler_options.items()))
+                + ", ".join(compiler_option_entries(self.task.compiler_options)))
         pipeline = self.task.hooks.pipeline if self.task.hooks is not None else None
         if pipeline is not None and not self.custom_model:
             log(self._pipeline_line(pipeline))
