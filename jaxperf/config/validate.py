@@ -193,21 +193,22 @@ def compiler_options(entries: tuple[str, ...] | list[str],
         if platform and platform != "tpu" and name.startswith(_TPU_PREFIXES):
             raise ConfigError(f"compiler_options: {name} is an option of the TPU compiler and this step compiles for "
                               f"{platform.upper()}: drop it, or run on TPU")
-        low = raw.lower()
-        if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
-            value: bool | int | float | str = raw[1:-1]
-        elif low in ("true", "false"):
-            value = low == "true"
-        else:
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    value = float(raw)
-                except ValueError:
-                    value = raw
-        out[name] = value
+        out[name] = _option_value(raw)
     return out
+
+
+def _option_value(raw: str) -> bool | int | float | str:
+    """A compiler option's value: quoted text as text, true/false as a bool, a number as a number, else the text."""
+    if len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\"":
+        return raw[1:-1]
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for number in (int, float):
+        try:
+            return number(raw)
+        except ValueError:
+            pass
+    return raw
 
 
 def compiler_option_entries(options: dict[str, bool | int | float | str] | None) -> list[str]:
