@@ -62,9 +62,10 @@ def test_cached_decode_equals_full_forward_for_ragged_prompts(style, scan):
         index_B = index_B + 1
         for i in range(B):
             got[i].append(h[i, 0] @ model.output_weights())
+    forward = jax.jit(lambda m, t: m(t))  # compiled: op by op, each operation compiles a program of its own
     for i, p in enumerate(prompts):
         # Causal: the full forward of the final sequence holds the logits after every prefix at once.
-        full = model(jnp.asarray([p + new_BxT[i].tolist()]))[0, len(p) - 1:]
+        full = forward(model, jnp.asarray([p + new_BxT[i].tolist()]))[0, len(p) - 1:]
         np.testing.assert_allclose(np.stack(got[i]), full, atol=1e-4, rtol=1e-4, err_msg=f"{style} row {i}")
 
 
@@ -73,9 +74,10 @@ def test_greedy_generation_follows_argmax_of_the_full_forward(style):
     model, gen = _shared(style)
     prompts = [[3, 4, 5], [8, 1, 2, 9, 9, 6, 7], [2]]
     out = gen.generate(prompts, max_tokens=8, temperature=0.0)
+    forward = jax.jit(lambda m, t: m(t))
     for prompt, row in zip(prompts, out):
         assert len(row.tokens) == 8 and row.finish_reason == "length"
-        logits = model(jnp.asarray([prompt + row.tokens]))[0, len(prompt) - 1: -1, :VOCAB]
+        logits = forward(model, jnp.asarray([prompt + row.tokens]))[0, len(prompt) - 1: -1, :VOCAB]
         assert row.tokens == np.argmax(logits, axis=-1).tolist(), (prompt, row.tokens)
     assert len({tuple(r.tokens) for r in out}) > 1  # the rows really differ
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -45,12 +46,12 @@ def test_grouped_heads_with_segments_and_a_longer_key_block():
     k = jax.random.normal(kk, (2, 8, 2, 8))
     v = jax.random.normal(kv, (2, 8, 2, 8))
     seg = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 1, 1]])
-    packed = xla_attention(q, k, v, causal=True, segment_ids=seg)
+    packed = jax.jit(functools.partial(xla_attention, causal=True))(q, k, v, segment_ids=seg)
     expanded = [jnp.repeat(a, 3, axis=2) for a in (k, v)]  # query head h uses kv head h // 3
+    reference = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla"))
     for b, cut in ((0, 3), (1, 6)):
         for lo, hi in ((0, cut), (cut, 8)):
-            want = jax.nn.dot_product_attention(q[b:b + 1, lo:hi], expanded[0][b:b + 1, lo:hi],
-                                                expanded[1][b:b + 1, lo:hi], is_causal=True, implementation="xla")
+            want = reference(q[b:b + 1, lo:hi], expanded[0][b:b + 1, lo:hi], expanded[1][b:b + 1, lo:hi])
             np.testing.assert_allclose(packed[b:b + 1, lo:hi], want, rtol=1e-5, atol=1e-5)
     # Two new queries against eight keys: the queries sit at positions 6 and 7.
     tail = xla_attention(q[:, 6:], k, v, causal=True)
@@ -74,12 +75,13 @@ def test_fully_masked_queries_output_zeros_as_the_kernel_reference(causal, segme
         empty[:, : L - S] = True
     ct = jnp.where(empty[:, :, None, None], 1e6, 1.0) * ct  # huge cotangents on the empty rows must not leak
 
-    def out_and_grads(fn):
+    @functools.partial(jax.jit, static_argnums=0)  # one program, not one per operation
+    def out_and_grads(fn, q, k, v):
         loss = lambda q, k, v: jnp.sum(fn(q, k, v, causal=causal, segment_ids=segs) * ct)  # noqa: E731
         return fn(q, k, v, causal=causal, segment_ids=segs), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-    out, grads = out_and_grads(xla_attention)
-    ref_out, ref_grads = out_and_grads(flash_attention_reference)
+    out, grads = out_and_grads(xla_attention, q, k, v)
+    ref_out, ref_grads = out_and_grads(flash_attention_reference, q, k, v)
     np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
     np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(grads[0])[empty], 0.0)

@@ -62,15 +62,22 @@ def _reference(moe: MoE, x_BxLxD, kept_TxE=None):
     return y
 
 
+def _run(fn, moe, *args):
+    """`fn(moe, *args)` compiled as one program: op by op, every operation compiles a program of its own (hundreds
+    per test, most of its time)."""
+    graphdef, state = nnx.split(moe)
+    return jax.jit(lambda st, *a: fn(nnx.merge(graphdef, st), *a))(state, *args)
+
+
 def _grads(fn, moe, x):
-    """Gradients of <fn(moe, x), a fixed cotangent> with respect to the parameters and x."""
+    """Gradients of <fn(moe, x), a fixed cotangent> with respect to the parameters and x (one compiled program)."""
     graphdef, state = nnx.split(moe)
     ct = jax.random.normal(jax.random.key(7), x.shape)
 
     def f(st, x):
         return jnp.sum(fn(nnx.merge(graphdef, st), x) * ct)
 
-    g_state, g_x = jax.grad(f, argnums=(0, 1))(state, x)
+    g_state, g_x = jax.jit(jax.grad(f, argnums=(0, 1)))(state, x)
     return flat(nnx.to_pure_dict(g_state)), g_x
 
 
@@ -91,7 +98,7 @@ def test_dropless_equals_a_per_expert_loop_forward_and_gradient(router, style, s
     if extra:
         assert moe.shared_gate_Dx1.shape == (16, 1) and moe.shared.w_in_DxF.shape == (16, 40)
     x = jax.random.normal(jax.random.key(1), (2, 5, 16))
-    np.testing.assert_allclose(_out(moe, x), _reference(moe, x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_run(_out, moe, x), _run(_reference, moe, x), rtol=1e-5, atol=1e-5)
     got, got_x = _grads(_out, moe, x)
     want, want_x = _grads(_reference, moe, x)
     np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-5)
@@ -185,12 +192,12 @@ def test_capacity_drops_exactly_the_overflow_and_zeroes_those_tokens():
     moe = _moe(experts_per_token=1, capacity_factor=1.0)
     _routed(moe, [(0, 1), (1, 0)])
     x = jnp.zeros((1, 8, 16)).at[0, jnp.arange(8), jnp.array([0] * 6 + [1] * 2)].set(1.0)
-    y, stats = moe(x)
+    y, stats = _run(MoE.__call__, moe, x)
     assert float(stats["dropped"]) == 0.5
     kept = np.array([1, 1, 0, 0, 0, 0, 1, 1], bool)
     np.testing.assert_array_equal(np.asarray(y[0, ~kept]), 0.0)
     assert np.all(np.abs(np.asarray(y[0, kept])).sum(-1) > 0)
-    np.testing.assert_allclose(y[0, kept], _reference(moe, x)[0, kept], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y[0, kept], _run(_reference, moe, x)[0, kept], rtol=1e-5, atol=1e-6)
 
 
 def test_capacity_serves_every_first_choice_before_any_second_choice():
@@ -201,10 +208,10 @@ def test_capacity_serves_every_first_choice_before_any_second_choice():
     moe = _moe(capacity_factor=1.0)
     _routed(moe, [(0, 1), (1, 0)])
     x = jnp.zeros((1, 8, 16)).at[0, jnp.arange(8), jnp.arange(8) % 2].set(1.0)
-    y, stats = moe(x)
+    y, stats = _run(MoE.__call__, moe, x)
     assert float(stats["dropped"]) == 0.5
     first = jax.nn.one_hot(jnp.arange(8) % 2, 4, dtype=bool)
-    np.testing.assert_allclose(y, _reference(moe, x, kept_TxE=first), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, _run(_reference, moe, x, first), rtol=1e-5, atol=1e-6)
 
 
 def test_the_expert_weights_cast_equals_the_plain_cast():
@@ -225,9 +232,9 @@ def test_the_expert_weights_cast_equals_the_plain_cast():
 def test_a_capacity_that_holds_every_slot_equals_dropless():
     x = jax.random.normal(jax.random.key(2), (2, 6, 16))
     dropless, capped = _moe(style="llama"), _moe(style="llama", capacity_factor=4.0)  # C = T * k: nothing dropped
-    y, stats = capped(x)
+    y, stats = _run(MoE.__call__, capped, x)
     assert float(stats["dropped"]) == 0.0
-    np.testing.assert_allclose(y, _out(dropless, x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, _run(_out, dropless, x), rtol=1e-5, atol=1e-6)
     got, got_x = _grads(_out, capped, x)
     want, want_x = _grads(_out, dropless, x)
     np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
