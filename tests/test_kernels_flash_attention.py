@@ -115,7 +115,7 @@ def test_causal_skips_fully_masked_blocks(interpret):
     q, k, v, ct, _ = _inputs(1, 256, 256, 2, 1, 16, jnp.float32, False)
     v = v.at[:, 128:].set(jnp.nan)
     blocks = BlockSizes(64, 64, 64, 64, 64, 64)
-    fn = functools.partial(flash_attention, causal=True, block_sizes=blocks, interpret=interpret)
+    fn = jax.jit(functools.partial(flash_attention, causal=True, block_sizes=blocks, interpret=interpret))
     out = fn(q, k, v)
     ref = flash_attention_reference(q[:, :128], k[:, :128], v[:, :128], causal=True)
     _assert_close(out[:, :128], ref, 1e-5, "first half")

@@ -49,8 +49,9 @@ def test_int8_weights_are_at_most_0_3x_and_logits_stay_close(style):
     kinds = {type(x).__name__ for x in jax.tree.leaves(qparams, is_leaf=lambda x: isinstance(x, Int8Weight))}
     assert kinds == {"Int8Weight", "ArrayImpl"}  # norms and biases stay fp32
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 48)))
-    want = model(tokens)[..., : cfg.vocab_size]
-    got = _merged(model, qparams)(tokens)[..., : cfg.vocab_size]
+    forward = jax.jit(lambda m, t: m(t))  # compiled: op by op, each operation compiles a program of its own
+    want = forward(model, tokens)[..., : cfg.vocab_size]
+    got = forward(_merged(model, qparams), tokens)[..., : cfg.vocab_size]
     worst = float(jnp.max(jnp.abs(got - want)))
     assert worst <= LOGIT_TOLERANCE * float(jnp.std(want)), (worst, float(jnp.std(want)))
     assert worst > 0  # the weights really were quantized
