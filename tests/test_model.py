@@ -184,7 +184,7 @@ def _loss_and_grads(model, tokens):
     def loss(m):
         return jnp.mean(m(tokens).astype(jnp.float32) ** 2)
 
-    return nnx.value_and_grad(loss)(model)
+    return nnx.jit(nnx.value_and_grad(loss))(model)  # one program: op by op, every operation compiles its own
 
 
 def _scan_to_loop(scan_model: GPT, loop_model: GPT) -> None:
