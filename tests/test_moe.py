@@ -284,9 +284,9 @@ def test_the_train_loss_is_the_cross_entropy_plus_the_weighted_router_losses():
     cfg = ModelConfig(d_model=32, n_heads=2, n_layers=2, max_seq_len=16, n_experts=4, router_aux_loss_coef=0.5,
                       router_z_loss_coef=0.25)
     batch = fixed_batch(batch=2, seq=16)
-    loss, aux = GPT(cfg, rngs=nnx.Rngs(0)).next_token_loss(batch)
-    ce, ce_aux = GPT(dataclasses.replace(cfg, router_aux_loss_coef=0.0, router_z_loss_coef=0.0),
-                     rngs=nnx.Rngs(0)).next_token_loss(batch)
+    no_router_losses = dataclasses.replace(cfg, router_aux_loss_coef=0.0, router_z_loss_coef=0.0)
+    loss, aux = _run(GPT.next_token_loss, GPT(cfg, rngs=nnx.Rngs(0)), batch)
+    ce, ce_aux = _run(GPT.next_token_loss, GPT(no_router_losses, rngs=nnx.Rngs(0)), batch)
     m = aux["metrics"]
     np.testing.assert_allclose(float(loss), float(ce) + 0.5 * float(m["moe_aux_loss"]) + 0.25 * float(m["moe_z_loss"]),
                                rtol=1e-6)
