@@ -112,21 +112,23 @@ def test_top_k_one_equals_greedy():
 
 
 def test_top_p_keeps_exactly_the_nucleus():
+    # compiled, as decoding runs them (op by op, every operation compiles a program of its own)
+    mask, filt, top_k = (jax.jit(f) for f in (nucleus_mask, filter_logits, apply_top_k))
     probs = jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15], [0.9, 0.02, 0.03, 0.04, 0.01]])
     # Row 0 in decreasing order: 0.4, 0.3, 0.15, 0.1, 0.05 (cumulative 0.4, 0.7, 0.85, 0.95, 1.0).
-    np.testing.assert_array_equal(nucleus_mask(probs, 0.65), [[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(nucleus_mask(probs, 0.75), [[0, 1, 0, 1, 1], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(nucleus_mask(probs, 0.01), [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
-    np.testing.assert_array_equal(nucleus_mask(probs, 0.92), [[0, 1, 1, 1, 1], [1, 0, 0, 1, 0]])
-    np.testing.assert_array_equal(nucleus_mask(probs, 0.975), [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    np.testing.assert_array_equal(mask(probs, 0.65), [[0, 1, 0, 1, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(mask(probs, 0.75), [[0, 1, 0, 1, 1], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(mask(probs, 0.01), [[0, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(mask(probs, 0.92), [[0, 1, 1, 1, 1], [1, 0, 0, 1, 0]])
+    np.testing.assert_array_equal(mask(probs, 0.975), [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
     logits = jnp.log(probs)
-    kept = filter_logits(logits, 1.0, 0, 0.65)
+    kept = filt(logits, 1.0, 0, 0.65)
     assert np.isfinite(np.asarray(kept)).tolist() == [[False, True, False, True, False], [True] + [False] * 4]
     # Order: top-k first, then the nucleus of the renormalised survivors (0.4 / 0.7 = 0.57 < 0.6, so 0.3 joins).
-    kept = filter_logits(logits[:1], 1.0, 2, 0.6)
+    kept = filt(logits[:1], 1.0, 2, 0.6)
     assert np.isfinite(np.asarray(kept)).tolist() == [[False, True, False, True, False]]
-    assert np.isfinite(np.asarray(apply_top_k(logits, 3))).sum(axis=-1).tolist() == [3, 3]
-    draws = jax.vmap(lambda k: sample(k, logits, 1.0, 0, 0.65))(jax.random.split(jax.random.key(0), 400))
+    assert np.isfinite(np.asarray(top_k(logits, 3))).sum(axis=-1).tolist() == [3, 3]
+    draws = jax.jit(jax.vmap(lambda k: sample(k, logits, 1.0, 0, 0.65)))(jax.random.split(jax.random.key(0), 400))
     assert set(np.asarray(draws[:, 0]).tolist()) == {1, 3} and set(np.asarray(draws[:, 1]).tolist()) == {0}
 
 
