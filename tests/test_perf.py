@@ -411,13 +411,13 @@ def test_the_tpu_estimate_within_5_percent_of_the_recorded_matrix(monkeypatch):
     build is compiled again with bench_tpu_compile.py --matrix."""
     monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: True)
     records = _tpu_matrix_records()
-    assert len(records) >= 17
+    assert len(records) >= 36
     off = []
     for r in records:
         cfg = get_config(None, r["jaxperf_overrides"])
         chips = int(np.prod([int(n) for n in r["topology"].split(":")[1].split("x")]))
         ratio = memory.estimate(cfg, chips, platform="tpu").total / r["jaxperf_bytes"]
-        if abs(ratio - 1) > 0.05:  # the goal is 10%; 5% holds the fitted share (0.957-1.024 when it was fitted)
+        if abs(ratio - 1) > 0.05:  # the goal is 10%; 5% holds the fitted share (0.957-1.040 on the 36 fitted on)
             off.append(f"{r['model']} {r['topology']} {r['rows_per_chip']} x {r['seq']}: {ratio:.3f}")
     assert not off, off
 

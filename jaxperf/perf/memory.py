@@ -99,14 +99,16 @@ FITTED: dict[str, Fitted] = {
         "Pallas attention, chunked loss, remat full, one row per chip on v6e:2x2, k = 4 over k = 1: +724 MiB against "
         "+1245 with autodiff's scan (libtpu 0.0.50.1), +656 against +683 (0.0.52)"),
     "backward_recompute_share": Fitted(
-        {False: 1.0, True: 0.75},
+        {False: 1.0, True: 0.7},
         "the share of one scanned layer's recomputed activations (what its remat policy does not save) the TPU "
         "compiler holds at once in the layer's backward, keyed by whether it is libtpu 0.0.52 or later (fitted on the "
-        "totals, not traced slot by slot): sixteen dense Llama-family cases of "
-        "benchmarks/bench_tpu_compile.py --matrix at remat full (7B to 13B, 2,048 to 8,192 tokens per chip, v5p, "
-        "v6e and v5e, 2026-11-28) put the estimate at 0.957-1.109x the compiled bytes counting all of it, "
-        "0.957-1.024x counting three quarters. Dense layers only: Mixtral-8x7B's MoE layers on v5p:2x4x4 (fsdp 32, "
-        "and expert 8) sit at 0.96x counting all, 0.93-0.94x counting three quarters"),
+        "totals, not traced slot by slot): 36 Llama-family cases of "
+        "benchmarks/bench_tpu_compile.py --matrix at remat full (7B to 13B, 2,048 to 32,768 tokens per chip, v5p, "
+        "v6e and v5e slices of 8 to 64 chips, 2026-11-28; one with a compiler option) put the estimate at "
+        "0.957-1.040x the compiled bytes counting 0.7 of it (1.109x at most counting all, 1.064x three quarters, "
+        "0.948-1.017x 0.65). "
+        "Dense layers only: Mixtral-8x7B's MoE layers on v5p:2x4x4 (fsdp 32, and expert 8) sit at 0.96x counting "
+        "all, 0.93-0.94x counting three quarters"),
 }
 ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
 LOSS_OVERLAP_LIBTPU = FITTED["loss_overlap_libtpu"].value
