@@ -49,6 +49,13 @@ def flat(tree) -> dict[str, jax.Array]:
     return out
 
 
+@jax.jit
+def forward(model, tokens):
+    """A model's output for `tokens` as one compiled program, as a user runs it (op by op, every operation compiles a
+    program of its own: most of a small test's time)."""
+    return model(tokens)
+
+
 def random_batches(n: int, *, batch: int, seq: int, vocab: int = 256, keep: float = 1.0, seed: int = 1) -> list[dict]:
     """n batches of random tokens; each token is kept in the loss with probability `keep` (a ragged mask makes
     devices and microbatches hold different token counts)."""

@@ -16,6 +16,7 @@ from jaxperf.data.tokenizer import ByteTokenizer
 from jaxperf.generate import Generator, apply_top_k, filter_logits, nucleus_mask, sample
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
+from helpers import forward
 
 VOCAB = 100
 
@@ -62,7 +63,6 @@ def test_cached_decode_equals_full_forward_for_ragged_prompts(style, scan):
         index_B = index_B + 1
         for i in range(B):
             got[i].append(h[i, 0] @ model.output_weights())
-    forward = jax.jit(lambda m, t: m(t))  # compiled: op by op, each operation compiles a program of its own
     for i, p in enumerate(prompts):
         # Causal: the full forward of the final sequence holds the logits after every prefix at once.
         full = forward(model, jnp.asarray([p + new_BxT[i].tolist()]))[0, len(p) - 1:]
@@ -74,7 +74,6 @@ def test_greedy_generation_follows_argmax_of_the_full_forward(style):
     model, gen = _shared(style)
     prompts = [[3, 4, 5], [8, 1, 2, 9, 9, 6, 7], [2]]
     out = gen.generate(prompts, max_tokens=8, temperature=0.0)
-    forward = jax.jit(lambda m, t: m(t))
     for prompt, row in zip(prompts, out):
         assert len(row.tokens) == 8 and row.finish_reason == "length"
         logits = forward(model, jnp.asarray([prompt + row.tokens]))[0, len(prompt) - 1: -1, :VOCAB]

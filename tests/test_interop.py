@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from helpers import hf_tokenizer
+from helpers import forward, hf_tokenizer
 from jaxperf.config import ModelConfig, ParallelConfig, get_config, validate_model
 from jaxperf.data import HFTokenizer, special_token_ids
 from jaxperf.generate import Generator
@@ -75,12 +75,6 @@ def _llama(torch, transformers, **kw):
     return _randomize(torch, transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)))
 
 
-@jax.jit
-def _forward(model, tokens):
-    """The model's logits as one compiled program, as a user runs it (op by op, every operation compiles its own)."""
-    return model(tokens)
-
-
 def _roundtrip(torch, transformers, hf_model, tmp_path, **save_kw):
     """HF -> jaxperf (scanned and looped layers) -> HF; every logits tensor must equal the original model's."""
     src, dst = tmp_path / "src", tmp_path / "dst"
@@ -91,7 +85,7 @@ def _roundtrip(torch, transformers, hf_model, tmp_path, **save_kw):
         model = load_hf_model(str(src), scan_layers=scan)
         assert model.cfg.padded_vocab == V
         # fp32 on both sides agrees to ~1e-6 here; the tanh GELU instead of the exact one is off by ~1e-4
-        np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(tokens))), ref, atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))), ref, atol=2e-5, rtol=1e-5)
     cfg, params = import_hf(str(src))
     export_hf(cfg, params, str(dst))
     back = transformers.AutoModelForCausalLM.from_pretrained(dst).eval()
@@ -148,7 +142,7 @@ def test_load_on_mesh_is_sharded_and_matches(tmp_path):
     assert wq.shape == (2, 32, 4, 8)
     assert wq.sharding.shard_shape(wq.shape) == (2, 32, 2, 8)  # heads split over tensor=2
     tokens = _tokens()
-    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(tokens))), _hf_logits(torch, hf_model, tokens),
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))), _hf_logits(torch, hf_model, tokens),
                                atol=1e-4, rtol=1e-4)
 
 
@@ -172,8 +166,8 @@ def test_export_jaxperf_model(tmp_path, use_bias, scan):
     assert (hf_cfg["attention_bias"], hf_cfg["mlp_bias"]) == (use_bias, use_bias)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = _tokens(seed=1)
-    np.testing.assert_allclose(_hf_logits(torch, back, tokens), np.asarray(_forward(model, jnp.asarray(tokens)))[..., :V],
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(_hf_logits(torch, back, tokens),
+                               np.asarray(forward(model, jnp.asarray(tokens)))[..., :V], atol=1e-4, rtol=1e-4)
 
 
 TEXT = "Once upon a time a small model read a short story, and then it read the story again. " * 40
@@ -231,7 +225,7 @@ def _mixtral(torch, transformers, **kw):
 
 
 def _jaxperf_logits(directory, tokens, **kw):
-    return np.asarray(_forward(load_hf_model(str(directory), **kw), jnp.asarray(tokens)))
+    return np.asarray(forward(load_hf_model(str(directory), **kw), jnp.asarray(tokens)))
 
 
 def _hub_tensors(directory) -> dict:
@@ -311,7 +305,7 @@ def test_mixtral_experts_split_over_a_mesh(tmp_path):
     w = model.blocks.mlp.w_gate_ExDxF[...]
     assert w.shape == (2, 4, 32, 24) and w.sharding.shard_shape(w.shape) == (2, 1, 16, 24)
     tokens = _tokens(seed=1)
-    np.testing.assert_allclose(np.asarray(_forward(model, jnp.asarray(tokens))), _hf_logits(torch, hf_model, tokens),
+    np.testing.assert_allclose(np.asarray(forward(model, jnp.asarray(tokens))), _hf_logits(torch, hf_model, tokens),
                                atol=1e-5, rtol=1e-5)
     export_hf(model.cfg, model, str(tmp_path / "dst"), arch="mixtral")
     source = _hub_tensors(tmp_path / "src")

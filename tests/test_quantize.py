@@ -20,6 +20,7 @@ from jaxperf.generate.quantize import QUANT_FILE, quantize_run, split_scales
 from jaxperf.models import GPT
 from jaxperf.models.quant import Int8Weight, quantize_int8, quantize_params, tree_bytes
 from jaxperf.checkpoint import Checkpointer, CorruptCheckpointError
+from helpers import forward
 
 # int8 logits of a model at the default init (weights of a trained model's scale) stay within this fraction of the
 # spread (standard deviation) of its fp32 logits, at every position.
@@ -49,7 +50,6 @@ def test_int8_weights_are_at_most_0_3x_and_logits_stay_close(style):
     kinds = {type(x).__name__ for x in jax.tree.leaves(qparams, is_leaf=lambda x: isinstance(x, Int8Weight))}
     assert kinds == {"Int8Weight", "ArrayImpl"}  # norms and biases stay fp32
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 48)))
-    forward = jax.jit(lambda m, t: m(t))  # compiled: op by op, each operation compiles a program of its own
     want = forward(model, tokens)[..., : cfg.vocab_size]
     got = forward(_merged(model, qparams), tokens)[..., : cfg.vocab_size]
     worst = float(jnp.max(jnp.abs(got - want)))
