@@ -65,3 +65,63 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.accelerator_proof)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)) if item.get_closest_marker("slow") else len(rank))
+
+
+# The compile report at the end of a run: how many programs each test compiled in its own process (XLA backend
+# compiles, persistent-cache hits not counted; the `jaxperf` subprocesses some tests start are not seen) and the
+# seconds they took, summed over the run and listed for the tests that compiled longest. Compiling is most of the
+# suite's time; this says where.
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+COMPILE_REPORT_TESTS = 15
+_compiled = {"programs": 0, "seconds": 0.0}
+_COMPILED_AT_START = pytest.StashKey[dict]()
+
+
+def _on_duration(event: str, duration: float, **_):
+    if event == COMPILE_EVENT:
+        _compiled["programs"] += 1
+        _compiled["seconds"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[_COMPILED_AT_START] = dict(_compiled)
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if call.when == "teardown" and _COMPILED_AT_START in item.stash:  # user_properties reach the xdist controller
+        start = item.stash[_COMPILED_AT_START]
+        report.user_properties.append(("compiled_programs", _compiled["programs"] - start["programs"]))
+        report.user_properties.append(("compile_s", _compiled["seconds"] - start["seconds"]))
+
+
+_compile_report: dict[str, list[float]] = {}  # nodeid -> [programs, compile seconds, wall seconds]
+
+
+def pytest_runtest_logreport(report):
+    row = _compile_report.setdefault(report.nodeid, [0, 0.0, 0.0])
+    row[2] += report.duration
+    for name, value in report.user_properties:
+        if name == "compiled_programs":
+            row[0] += value
+        elif name == "compile_s":
+            row[1] += value
+
+
+def pytest_terminal_summary(terminalreporter):
+    rows = [(nodeid, *row) for nodeid, row in _compile_report.items()]
+    if not rows or not any(r[1] for r in rows):
+        return
+    programs, compile_s, wall_s = (sum(r[i] for r in rows) for i in (1, 2, 3))
+    tr = terminalreporter
+    tr.section("XLA compiles in the test processes")
+    tr.write_line(f"{programs} programs compiled in {compile_s:.0f} s, {compile_s / max(wall_s, 1e-9):.0%} of the "
+                  f"tests' {wall_s:.0f} s; the {COMPILE_REPORT_TESTS} tests that compiled longest:")
+    for nodeid, n, s, wall in sorted(rows, key=lambda r: -r[2])[:COMPILE_REPORT_TESTS]:
+        tr.write_line(f"{s:7.1f} s {n:5d} programs {wall:7.1f} s wall  {nodeid}")
