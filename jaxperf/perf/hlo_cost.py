@@ -39,6 +39,9 @@ of its data and output buffers, what expert parallelism sends under balanced rou
 chip sends over its links with bandwidth-optimal algorithms on a group of n chips: (n-1)/n x bytes for all-gather,
 reduce-scatter and the all-to-alls (a ragged one: as if balanced), 2(n-1)/n x bytes for all-reduce (a
 reduce-scatter then an all-gather), bytes for a collective-permute. n comes from the op's replica groups.
+The TPU compiler's async collective fusion splits one collective over several fusions that each hold a copy of it
+under the same `channel_id`: the start (its root the custom call `AsyncCollectiveStart`), continuations fused with
+the compute it overlaps, and the done. The collective moves its bytes once: it is counted in the start only.
 """
 
 from __future__ import annotations
@@ -336,6 +339,25 @@ def kernel_flops(comps: dict[str, Computation], comp: Computation, ins: Instr, d
     return 0.0, "other"
 
 
+def _channel(ins: Instr) -> str | None:
+    m = re.search(r"\bchannel_id=(\d+)", ins.attrs)
+    return m.group(1) if m else None
+
+
+def _async_collective_starts(comps: dict[str, Computation]) -> dict[str, str]:
+    """channel_id -> the computation that starts it, for the collectives of the TPU compiler's async collective
+    fusions: a fused computation whose root is the custom call `AsyncCollectiveStart`."""
+    starts = {}
+    for comp in comps.values():
+        root = comp.instrs.get(comp.root or "")
+        if root is None or root.opcode != "custom-call" or '"AsyncCollectiveStart"' not in root.attrs:
+            continue
+        for ins in comp.instrs.values():
+            if ins.opcode.removesuffix("-start") in COLLECTIVES and (ch := _channel(ins)) is not None:
+                starts[ch] = comp.name
+    return starts
+
+
 class _Walker:
     def __init__(self, text: str):
         self.comps, self.entry, self.partitions = parse_hlo(text)
@@ -346,6 +368,7 @@ class _Walker:
         self.charged: dict[str, float] = {}  # instruction name -> HBM bytes charged to it, loops included
         self.coll = {k: {"ops": 0, "bytes": 0.0, "wire_bytes": 0.0} for k in COLLECTIVES}
         self.kernels: list[Kernel] = []
+        self.async_starts = _async_collective_starts(self.comps)
 
     # -- bytes of one fused kernel ------------------------------------------------------------------------------
     def _param_read(self, comp: Computation, pname: str, depth: int = 0) -> float:
@@ -437,6 +460,9 @@ class _Walker:
         op = ins.opcode.removesuffix("-start")
         if op not in COLLECTIVES:
             return
+        start = self.async_starts.get(_channel(ins))
+        if start is not None and start != comp.name:
+            return  # a continuation or the done of an async collective fusion: counted in its start
         if op == "ragged-all-to-all":
             # operands (data, output buffer, offsets and sizes): expert parallelism's dispatch sends all its data into
             # a larger buffer; its combine sends back what it received, under balanced routing as many rows as the
