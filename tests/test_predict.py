@@ -170,57 +170,65 @@ def test_hlo_text_loops_groups_and_memory_spaces():
 
 
 # One all-gather as the TPU compiler's async collective fusion writes it (the shape of a weight gathered in a layer's
-# backward, libtpu 0.0.52): the start, a continuation fused with the matmul it overlaps, and the done each hold a
-# copy of the collective under channel 7. A second all-gather (channel 9) stands alone.
+# backward, libtpu 0.0.52): the start, a continuation fused with the matmul it overlaps (which uses a weight gathered
+# before, in VMEM), and the done each hold a copy of the collective under channel 7; the continuation and the done
+# return the gathered buffer in place (output_to_operand_aliasing). A second all-gather (channel 9) stands alone.
 ASYNC_COLLECTIVE_FUSION_HLO = """HloModule m, num_partitions=8
 
-%start (s0: bf16[1,512,1024]) -> (bf16[1,512,1024], bf16[1,4096,1024], u32[]) {
+%start (s0: bf16[1,512,1024]) -> (bf16[1,512,1024], bf16[1,4096,1024]) {
   %s0 = bf16[1,512,1024]{2,1,0:S(1)} parameter(0)
   %ag.1 = bf16[1,4096,1024]{2,1,0} all-gather(%s0), channel_id=7, replica_groups=mesh['x'=8] {'x'}, dimensions={1}
-  ROOT %cs = (bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0:S(1)}, u32[]{:S(2)}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
+  ROOT %cs = (bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0}) custom-call(%ag.1), custom_call_target="AsyncCollectiveStart"
 }
 
-%continuation (c0: bf16[1,512,1024], c1: bf16[1,4096,1024], c2: bf16[16,4096]) -> (bf16[16,1024], bf16[1,512,1024], bf16[1,4096,1024]) {
+%continuation (c0: bf16[1,512,1024], c1: bf16[1,4096,1024], c2: bf16[16,4096], c3: bf16[4096,1024]) -> (bf16[16,1024], bf16[1,512,1024], bf16[1,4096,1024], bf16[1,4096,1024]) {
   %c0 = bf16[1,512,1024]{2,1,0:S(1)} parameter(0)
-  %c1 = bf16[1,4096,1024]{2,1,0:S(1)} parameter(1)
+  %c1 = bf16[1,4096,1024]{2,1,0} parameter(1)
   %c2 = bf16[16,4096]{1,0} parameter(2)
-  %ag.2 = bf16[1,4096,1024]{2,1,0:S(1)} all-gather(%c0), channel_id=7, replica_groups=mesh['x'=8] {'x'}, dimensions={1}
-  %w = bf16[4096,1024]{1,0:S(1)} bitcast(%c1)
-  %mm = bf16[16,1024]{1,0} dot(%c2, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
-  ROOT %ct = (bf16[16,1024]{1,0}, bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0:S(1)}) tuple(%mm, %c0, %ag.2)
+  %c3 = bf16[4096,1024]{1,0:S(1)} parameter(3)
+  %mm = bf16[16,1024]{1,0} dot(%c2, %c3), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag.2 = bf16[1,4096,1024]{2,1,0} all-gather(%c0), channel_id=7, replica_groups=mesh['x'=8] {'x'}, dimensions={1}
+  ROOT %ct = (bf16[16,1024]{1,0}, bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0}, bf16[1,4096,1024]{2,1,0}) tuple(%mm, %c0, %c1, %ag.2)
 }
 
 %done (d0: bf16[1,512,1024], d1: bf16[1,4096,1024]) -> bf16[1,4096,1024] {
   %d0 = bf16[1,512,1024]{2,1,0:S(1)} parameter(0)
-  %d1 = bf16[1,4096,1024]{2,1,0:S(1)} parameter(1)
+  %d1 = bf16[1,4096,1024]{2,1,0} parameter(1)
   %ag.3 = bf16[1,4096,1024]{2,1,0} all-gather(%d0), channel_id=7, replica_groups=mesh['x'=8] {'x'}, dimensions={1}
-  ROOT %cd = bf16[1,4096,1024]{2,1,0:S(1)} custom-call(%d0, %d1, %ag.3), custom_call_target="AsyncCollectiveDone"
+  ROOT %cd = bf16[1,4096,1024]{2,1,0} custom-call(%d0, %d1, %ag.3), custom_call_target="AsyncCollectiveDone"
 }
 
-ENTRY %main (x: bf16[1,512,1024], a: bf16[16,4096]) -> (bf16[16,1024], bf16[1,4096,1024], bf16[1,4096,1024]) {
+ENTRY %main (x: bf16[1,512,1024], a: bf16[16,4096], v: bf16[4096,1024]) -> (bf16[16,1024], bf16[1,4096,1024]) {
   %x = bf16[1,512,1024]{2,1,0:S(1)} parameter(0)
   %a = bf16[16,4096]{1,0} parameter(1)
-  %st = (bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0:S(1)}, u32[]{:S(2)}) fusion(%x), kind=kCustom, calls=%start
+  %v = bf16[4096,1024]{1,0:S(1)} parameter(2)
+  %st = (bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0}) fusion(%x), kind=kCustom, calls=%start
   %st0 = bf16[1,512,1024]{2,1,0:S(1)} get-tuple-element(%st), index=0
-  %st1 = bf16[1,4096,1024]{2,1,0:S(1)} get-tuple-element(%st), index=1
-  %co = (bf16[16,1024]{1,0}, bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0:S(1)}) fusion(%st0, %st1, %a), kind=kOutput, calls=%continuation
+  %st1 = bf16[1,4096,1024]{2,1,0} get-tuple-element(%st), index=1
+  %co = (bf16[16,1024]{1,0}, bf16[1,512,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0}, bf16[1,4096,1024]{2,1,0}) fusion(%st0, %st1, %a, %v), kind=kOutput, output_to_operand_aliasing={{1}: (0, {}), {2}: (1, {}), {3}: (1, {})}, calls=%continuation
   %co0 = bf16[16,1024]{1,0} get-tuple-element(%co), index=0
   %co1 = bf16[1,512,1024]{2,1,0:S(1)} get-tuple-element(%co), index=1
-  %co2 = bf16[1,4096,1024]{2,1,0:S(1)} get-tuple-element(%co), index=2
-  %dn = bf16[1,4096,1024]{2,1,0:S(1)} fusion(%co1, %co2), kind=kCustom, calls=%done
+  %co2 = bf16[1,4096,1024]{2,1,0} get-tuple-element(%co), index=2
+  %dn = bf16[1,4096,1024]{2,1,0} fusion(%co1, %co2), kind=kCustom, output_to_operand_aliasing={{}: (1, {})}, calls=%done
   %other = bf16[1,4096,1024]{2,1,0} all-gather(%x), channel_id=9, replica_groups=mesh['x'=8] {'x'}, dimensions={1}
-  ROOT %out = (bf16[16,1024]{1,0}, bf16[1,4096,1024]{2,1,0:S(1)}, bf16[1,4096,1024]{2,1,0}) tuple(%co0, %dn, %other)
+  ROOT %out = (bf16[16,1024]{1,0}, bf16[1,4096,1024]{2,1,0}, bf16[1,4096,1024]{2,1,0}) tuple(%co0, %dn, %other)
 }
 """
 
 
-def test_an_async_collective_fusion_sends_its_collective_once():
+def test_an_async_collective_fusion_sends_and_writes_its_collective_once():
     """The start, continuation and done of one async collective fusion are one all-gather on the wire (read as
-    three, a TPU step's backward sent its weights' gathers three times over)."""
-    ag = hlo_costs(ASYNC_COLLECTIVE_FUSION_HLO).collectives["all-gather"]
+    three, a TPU step's backward sent its weights' gathers three times over), whose gathered buffer is written to
+    HBM once: the continuation and the done pass it through in place (their results alias it), so the continuation
+    is charged its matmul only and the done nothing."""
+    costs = hlo_costs(ASYNC_COLLECTIVE_FUSION_HLO)
+    ag = costs.collectives["all-gather"]
     gathered = 4096 * 1024 * 2
     assert ag["ops"] == 2 and ag["bytes"] == 2 * gathered  # the fusion's collective and channel 9's
     assert ag["wire_bytes"] == 2 * gathered * 7 / 8
+    charged = {k.name: k.hbm_bytes for k in costs.kernels}
+    assert charged == {"st": gathered, "co": 16 * 4096 * 2 + 16 * 1024 * 2, "other": gathered}
+    assert costs.hbm_bytes == 2 * gathered + 16 * 4096 * 2 + 16 * 1024 * 2
 
 
 def _stacking_loop(op: str) -> str:

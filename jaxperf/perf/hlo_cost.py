@@ -14,7 +14,10 @@ an operand that is only sliced (dynamic-slice, slice, gather) costs the bytes of
 an in-place dynamic-update-slice costs the bytes of the update, not of the whole buffer (a scan stacking one layer's
 residuals into an [n_layers, ...] array touches one layer's worth per step; XLA:GPU runs such fusions async, as
 fusion-start/fusion-done, charged the same way). An async slice (`slice-start`: the TPU compiler's prefetch of a
-piece of a buffer into VMEM) reads the piece, not the buffer. Ops that move nothing are free
+piece of a buffer into VMEM) reads the piece, not the buffer. A multi-output fusion's result that aliases an operand
+(`output_to_operand_aliasing`) and is that operand's parameter passed through moves nothing, nor does the in-flight
+collective an async collective fusion carries through its continuations and its done (below): the buffer it fills is
+written once, charged at its start. Ops that move nothing are free
 (parameter, constant, tuple, get-tuple-element, bitcast, the loop and call ops themselves, buffer allocations). A
 Pallas kernel is charged its operands and results once: a lower bound for kernels that re-read a block (flash
 attention reads K and V once per query block).
@@ -344,6 +347,20 @@ def _channel(ins: Instr) -> str | None:
     return m.group(1) if m else None
 
 
+def _aliases(ins: Instr) -> dict[int, int]:
+    """A fusion's `output_to_operand_aliasing`: result tuple index -> the operand whose buffer it is."""
+    i = ins.attrs.find("output_to_operand_aliasing={")
+    if i < 0:
+        return {}
+    text, depth = ins.attrs[i + len("output_to_operand_aliasing="):], 0
+    for end, ch in enumerate(text):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth == 0:
+            text = text[:end + 1]
+            break
+    return {int(out): int(op) for out, op in re.findall(r"\{(\d+)\}:\s*\((\d+),", text)}
+
+
 def _async_collective_starts(comps: dict[str, Computation]) -> dict[str, str]:
     """channel_id -> the computation that starts it, for the collectives of the TPU compiler's async collective
     fusions: a fused computation whose root is the custom call `AsyncCollectiveStart`."""
@@ -371,10 +388,14 @@ class _Walker:
         self.async_starts = _async_collective_starts(self.comps)
 
     # -- bytes of one fused kernel ------------------------------------------------------------------------------
-    def _param_read(self, comp: Computation, pname: str, depth: int = 0) -> float:
-        """Bytes a fused computation reads of one parameter: the slices taken when it is only sliced."""
+    def _param_read(self, comp: Computation, pname: str, depth: int = 0, passed: frozenset = frozenset()) -> float:
+        """Bytes a fused computation reads of one parameter: the slices taken when it is only sliced, nothing for
+        its use as a result returned in place (`passed`: the root tuple's elements that are)."""
         full = comp.instrs[pname].bytes
-        users = [i for i in comp.instrs.values() if pname in i.operands]
+        users = [i for i in comp.instrs.values()
+                 if pname in i.operands and not (i.name == comp.root and pname in passed)]
+        if not users and pname in passed:
+            return 0.0
         if not users or depth > 8:
             return full
         total = 0.0
@@ -414,8 +435,40 @@ class _Walker:
         comp = self.comps.get(ins.attr("calls") or "")
         if comp is None or comp.root is None:
             return sum(self._operand_bytes(caller, o) for o in ins.operands) + ins.bytes
-        read = sum(self._param_read(comp, comp.params[k]) for k in range(len(ins.operands)) if k in comp.params)
+        root = comp.instrs[comp.root]
+        if root.opcode == "custom-call" and '"AsyncCollectiveDone"' in root.attrs:
+            return 0.0  # its result is the buffer the collective wrote (charged at the start), returned in place
+        passed, skip = self._in_place(comp, _aliases(ins))
+        read = sum(self._param_read(comp, comp.params[k], passed=passed)
+                   for k in range(len(ins.operands)) if k in comp.params)
+        if root.opcode == "tuple":
+            return read + sum(self._written(comp, o) for i, o in enumerate(root.operands) if i not in skip)
         return read + self._written(comp, comp.root)
+
+    def _in_place(self, comp: Computation, aliases: dict[int, int]) -> tuple[frozenset, set[int]]:
+        """The root tuple's elements that move nothing, of a fusion whose results alias its operands: (the
+        parameters returned in place, the element indices not charged as writes). An element is free when it is
+        the parameter of the operand it aliases (passed through), or the in-flight collective of an async
+        collective fusion's continuation (its bytes land in the aliased buffer once, charged at the start)."""
+        root = comp.instrs[comp.root]
+        passed, skip = set(), set()
+        if root.opcode != "tuple" or not aliases:
+            return frozenset(), skip
+        for i, name in enumerate(root.operands):
+            if i not in aliases:
+                continue
+            src = comp.instrs.get(name)
+            while src is not None and src.opcode == "bitcast" and src.operands:
+                src = comp.instrs.get(src.operands[0])
+            if src is None:
+                continue
+            if src.opcode == "parameter" and comp.params.get(aliases[i]) == src.name:
+                passed.add(src.name)
+                skip.add(i)
+            elif (src.opcode in COLLECTIVES and (start := self.async_starts.get(_channel(src))) is not None
+                  and start != comp.name):
+                skip.add(i)
+        return frozenset(passed), skip
 
     @staticmethod
     def _operand_bytes(comp: Computation, name: str) -> float:
