@@ -229,6 +229,9 @@ def test_an_async_collective_fusion_sends_and_writes_its_collective_once():
     charged = {k.name: k.hbm_bytes for k in costs.kernels}
     assert charged == {"st": gathered, "co": 16 * 4096 * 2 + 16 * 1024 * 2, "other": gathered}
     assert costs.hbm_bytes == 2 * gathered + 16 * 4096 * 2 + 16 * 1024 * 2
+    # the same buffer also given as a result of its own, not aliased: that copy reads and writes it
+    copied = ASYNC_COLLECTIVE_FUSION_HLO.replace("tuple(%mm, %c0, %c1, %ag.2)", "tuple(%mm, %c0, %c1, %ag.2, %c1)")
+    assert {k.name: k.hbm_bytes for k in hlo_costs(copied).kernels}["co"] == charged["co"] + 2 * gathered
 
 
 def _stacking_loop(op: str) -> str:

@@ -361,17 +361,17 @@ def _aliases(ins: Instr) -> dict[int, int]:
     return {int(out): int(op) for out, op in re.findall(r"\{(\d+)\}:\s*\((\d+),", text)}
 
 
-def _async_collective_starts(comps: dict[str, Computation]) -> dict[str, str]:
-    """channel_id -> the computation that starts it, for the collectives of the TPU compiler's async collective
-    fusions: a fused computation whose root is the custom call `AsyncCollectiveStart`."""
-    starts = {}
+def _async_collective_starts(comps: dict[str, Computation]) -> dict[tuple[str, str], set[str]]:
+    """(channel_id, opcode) -> the computations that start it, for the collectives of the TPU compiler's async
+    collective fusions: fused computations whose root is the custom call `AsyncCollectiveStart`."""
+    starts: dict[tuple[str, str], set[str]] = {}
     for comp in comps.values():
         root = comp.instrs.get(comp.root or "")
         if root is None or root.opcode != "custom-call" or '"AsyncCollectiveStart"' not in root.attrs:
             continue
         for ins in comp.instrs.values():
             if ins.opcode.removesuffix("-start") in COLLECTIVES and (ch := _channel(ins)) is not None:
-                starts[ch] = comp.name
+                starts.setdefault((ch, ins.opcode), set()).add(comp.name)
     return starts
 
 
@@ -405,7 +405,7 @@ class _Walker:
             elif u.opcode == "dynamic-update-slice" and u.operands[0] == pname:
                 continue  # updated in place: the write is charged, the rest of the buffer is not read
             elif u.opcode == "bitcast":
-                total += self._param_read(comp, u.name, depth + 1)
+                total += self._param_read(comp, u.name, depth + 1, passed)
             elif u.opcode == "fusion":
                 inner = self.comps.get(u.attr("calls") or "")
                 if inner is None:
@@ -445,13 +445,20 @@ class _Walker:
             return read + sum(self._written(comp, o) for i, o in enumerate(root.operands) if i not in skip)
         return read + self._written(comp, comp.root)
 
+    def _continued(self, comp: Computation, ins: Instr) -> bool:
+        """Whether `ins` is a copy, in a continuation or a done, of a collective an async collective fusion starts
+        elsewhere."""
+        starts = self.async_starts.get((_channel(ins) or "", ins.opcode))
+        return starts is not None and comp.name not in starts
+
     def _in_place(self, comp: Computation, aliases: dict[int, int]) -> tuple[frozenset, set[int]]:
-        """The root tuple's elements that move nothing, of a fusion whose results alias its operands: (the
-        parameters returned in place, the element indices not charged as writes). An element is free when it is
-        the parameter of the operand it aliases (passed through), or the in-flight collective of an async
-        collective fusion's continuation (its bytes land in the aliased buffer once, charged at the start)."""
+        """The root tuple's elements that move nothing, of a fusion whose results alias its operands: (the names
+        the root takes only as results returned in place, the element indices not charged as writes). An element
+        is free when it is the parameter of the operand it aliases (passed through, bitcasts allowed), or the
+        in-flight collective of an async collective fusion's continuation (its bytes land in the aliased buffer
+        once, charged at the start)."""
         root = comp.instrs[comp.root]
-        passed, skip = set(), set()
+        skip, through = set(), set()
         if root.opcode != "tuple" or not aliases:
             return frozenset(), skip
         for i, name in enumerate(root.operands):
@@ -463,11 +470,13 @@ class _Walker:
             if src is None:
                 continue
             if src.opcode == "parameter" and comp.params.get(aliases[i]) == src.name:
-                passed.add(src.name)
                 skip.add(i)
-            elif (src.opcode in COLLECTIVES and (start := self.async_starts.get(_channel(src))) is not None
-                  and start != comp.name):
+                through.add(i)
+            elif src.opcode in COLLECTIVES and self._continued(comp, src):
                 skip.add(i)
+        # a name's use by the root reads nothing only where every element it gives is a pass-through
+        passed = {root.operands[i] for i in through}
+        passed = {n for n in passed if all(i in through for i, o in enumerate(root.operands) if o == n)}
         return frozenset(passed), skip
 
     @staticmethod
@@ -513,8 +522,7 @@ class _Walker:
         op = ins.opcode.removesuffix("-start")
         if op not in COLLECTIVES:
             return
-        start = self.async_starts.get(_channel(ins))
-        if start is not None and start != comp.name:
+        if self._continued(comp, ins):
             return  # a continuation or the done of an async collective fusion: counted in its start
         if op == "ragged-all-to-all":
             # operands (data, output buffer, offsets and sizes): expert parallelism's dispatch sends all its data into
