@@ -342,11 +342,6 @@ def kernel_flops(comps: dict[str, Computation], comp: Computation, ins: Instr, d
     return 0.0, "other"
 
 
-def _channel(ins: Instr) -> str | None:
-    m = re.search(r"\bchannel_id=(\d+)", ins.attrs)
-    return m.group(1) if m else None
-
-
 def _aliases(ins: Instr) -> dict[int, int]:
     """A fusion's `output_to_operand_aliasing`: result tuple index -> the operand whose buffer it is."""
     i = ins.attrs.find("output_to_operand_aliasing={")
@@ -370,7 +365,7 @@ def _async_collective_starts(comps: dict[str, Computation]) -> dict[tuple[str, s
         if root is None or root.opcode != "custom-call" or '"AsyncCollectiveStart"' not in root.attrs:
             continue
         for ins in comp.instrs.values():
-            if ins.opcode.removesuffix("-start") in COLLECTIVES and (ch := _channel(ins)) is not None:
+            if ins.opcode.removesuffix("-start") in COLLECTIVES and (ch := ins.attr("channel_id")) is not None:
                 starts.setdefault((ch, ins.opcode), set()).add(comp.name)
     return starts
 
@@ -448,7 +443,7 @@ class _Walker:
     def _continued(self, comp: Computation, ins: Instr) -> bool:
         """Whether `ins` is a copy, in a continuation or a done, of a collective an async collective fusion starts
         elsewhere."""
-        starts = self.async_starts.get((_channel(ins) or "", ins.opcode))
+        starts = self.async_starts.get((ins.attr("channel_id") or "", ins.opcode))
         return starts is not None and comp.name not in starts
 
     def _in_place(self, comp: Computation, aliases: dict[int, int]) -> tuple[frozenset, set[int]]:
