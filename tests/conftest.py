@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
 # The compile report at the end of a run: how many programs each test compiled in its own process (XLA backend
 # compiles; the `jaxperf` subprocesses some tests start are not seen) and the seconds they took, summed over the run
 # and listed for the tests that compiled longest. JAX times a persistent-cache hit as a compile (its load time): the
-# hits are counted apart and left out of the programs. Compiling is most of the suite's time; this says where.
+# hits are counted apart and left out of the programs. Compiling is ~40% of the suite's test time; this says where.
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 COMPILE_REPORT_TESTS = 15
