@@ -419,10 +419,11 @@ PREDICTION_PARTS = ("step_s_no_overlap", "compute_s", "hbm_s", "collective_s", "
 
 
 def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: str | None = None,
-             no_jaxperf: bool = False) -> dict:
+             no_jaxperf: bool = False, maxtext_record: dict | None = None) -> dict:
     """Compile one matrix case with jaxperf (default settings) and with MaxText, one after the other; one record.
     The case's `compiler_options` ({name: value}) go to both: jaxperf's `compiler_options`, MaxText's
-    LIBTPU_INIT_ARGS."""
+    LIBTPU_INIT_ARGS. With `maxtext_record` (an earlier record of the same case, --maxtext-from) the MaxText side is
+    that record's, not compiled again, and the record says when it was compiled (`maxtext_compiled`)."""
     from jaxperf.config import get_config
     from jaxperf.perf.flops import flops_per_token
 
@@ -465,11 +466,34 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
         flops = (flops_per_token(cfg.model, seq) * batch * seq / case["chips"],
                  flops_per_token(cfg.model, seq, hardware=True) * batch * seq / case["chips"])
     mt = None
-    if python is None:
+    if maxtext_record is not None:
+        rec.update({k: v for k, v in maxtext_record.items() if k.startswith("maxtext_") and k != "maxtext_compiled"})
+        rec.update({"maxtext_compiled": maxtext_record.get("maxtext_compiled") or maxtext_record["date"],
+                    "model_flops_per_chip": flops[0], "hardware_flops_per_chip": flops[1],
+                    "jax": {"jaxperf": jc["jax"], "maxtext": maxtext_record["jax"]["maxtext"]},
+                    "libtpu": {"jaxperf": jc["libtpu"], "maxtext": maxtext_record["libtpu"]["maxtext"]},
+                    "jaxperf_overrides": overrides})
+    elif python is None:
         mside = {"status": "skipped", "fits": None, "error": why, "wall_s": 0.0}
     else:
         mt, mside = _side(run_maxtext, python, topology, shapes, case["rows_per_chip"], seq, case["maxtext_remat"],
                           *flops, timeout, model_name, _hlo_path(hlo_dir, f"maxtext_{tag}"), options)
+    if maxtext_record is None:
+        _maxtext_fields(rec, mt, mside, why, flops, jc, overrides)
+    if rec["hbm_bytes"] is None and mt:
+        rec["hbm_bytes"] = mt.get("hbm_bytes")
+    both = rec["jaxperf_bytes"] and rec["maxtext_bytes"]
+    rec["bytes_ratio"] = rec["jaxperf_bytes"] / rec["maxtext_bytes"] if both else None
+    steps = rec["jaxperf_step_s"] and rec["maxtext_step_s"]
+    rec["step_ratio"] = rec["jaxperf_step_s"] / rec["maxtext_step_s"] if steps else None
+    rec["same_compiler"] = (rec["jax"]["jaxperf"] == rec["jax"]["maxtext"]
+                            and rec["libtpu"]["jaxperf"] == rec["libtpu"]["maxtext"]) \
+        if (mt or maxtext_record) else None
+    return record("tpu_compile", "matrix_case", rec["bytes_ratio"], "ratio", **rec)
+
+
+def _maxtext_fields(rec: dict, mt: dict | None, mside: dict, why: str, flops: tuple, jc: dict, overrides: list):
+    """A record's MaxText side from its compile `mt` (None when skipped or failed, `mside` says why)."""
     rec.update({f"maxtext_{k}": v for k, v in mside.items()})
     mcomp = (mt or {}).get("compiler") or {}
     rec.update({"maxtext_bytes": mt["bytes_per_chip"]["total"] if mt else None,
@@ -483,15 +507,19 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
                 "jax": {"jaxperf": jc["jax"], "maxtext": mcomp.get("jax")},
                 "libtpu": {"jaxperf": jc["libtpu"], "maxtext": mcomp.get("libtpu")},
                 "maxtext_version": mcomp.get("maxtext"), "jaxperf_overrides": overrides})
-    if rec["hbm_bytes"] is None and mt:
-        rec["hbm_bytes"] = mt.get("hbm_bytes")
-    both = rec["jaxperf_bytes"] and rec["maxtext_bytes"]
-    rec["bytes_ratio"] = rec["jaxperf_bytes"] / rec["maxtext_bytes"] if both else None
-    steps = rec["jaxperf_step_s"] and rec["maxtext_step_s"]
-    rec["step_ratio"] = rec["jaxperf_step_s"] / rec["maxtext_step_s"] if steps else None
-    rec["same_compiler"] = (rec["jax"]["jaxperf"] == rec["jax"]["maxtext"]
-                            and rec["libtpu"]["jaxperf"] == rec["libtpu"]["maxtext"]) if mt else None
-    return record("tpu_compile", "matrix_case", rec["bytes_ratio"], "ratio", **rec)
+
+
+def _matrix_records(path: Path) -> list[dict]:
+    """The matrix-case records of a JSON lines file (lines that do not parse are skipped)."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("name") == "matrix_case":
+            records.append(r)
+    return records
 
 
 def run_matrix(a) -> list[dict]:
@@ -512,18 +540,17 @@ def run_matrix(a) -> list[dict]:
         c["compiler_options"] = options
         c["libtpu_init_args"] = os.environ.get("LIBTPU_INIT_ARGS") or None
     out = Path(a.out) if a.out else DEFAULT_OUT
+    finished = ("ok", "does_not_fit")
     if a.resume and out.is_file():
-        done = set()
-        for line in out.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:
-                continue
-            finished = ("ok", "does_not_fit")
-            if r.get("name") == "matrix_case" and r.get("jaxperf_status") in finished \
-                    and r.get("maxtext_status") in finished:
-                done.add(case_key(r))
+        done = {case_key(r) for r in _matrix_records(out)
+                if r.get("jaxperf_status") in finished and r.get("maxtext_status") in finished}
         cases = [c for c in cases if case_key(c) not in done]
+    earlier = {}  # --maxtext-from: the last record of each case whose MaxText side was compiled (or did not fit)
+    if a.maxtext_from:
+        if not Path(a.maxtext_from).is_file():
+            raise SystemExit(f"bench_tpu_compile: --maxtext-from {a.maxtext_from}: no such file")
+        earlier = {case_key(r): r for r in _matrix_records(Path(a.maxtext_from))
+                   if r.get("maxtext_status") in finished}
     if a.limit is not None:
         cases = cases[:a.limit]
     if a.list:
@@ -536,7 +563,7 @@ def run_matrix(a) -> list[dict]:
         print(f"bench_tpu_compile: case {i + 1}/{len(cases)}: {case['model']} {case['topology']} "
               f"({case['maxtext_topology']}) rows {case['rows_per_chip']} seq {case['seq']} remat {case['remat']}",
               file=sys.stderr, flush=True)
-        rec = emit(run_case(case, python, why, a.timeout, a.hlo_dir, a.no_jaxperf))
+        rec = emit(run_case(case, python, why, a.timeout, a.hlo_dir, a.no_jaxperf, earlier.get(case_key(case))))
         with out.open("a") as f:
             f.write(json.dumps(strict_json(rec)) + "\n")
         records.append(rec)
@@ -580,6 +607,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     m.add_argument("--list", action="store_true", help="print the cases (one JSON line each) without compiling")
     m.add_argument("--resume", action="store_true", help="skip the cases --out already holds with both sides "
                                                          "compiled or out of memory")
+    m.add_argument("--maxtext-from", default=None, metavar="JSONL",
+                   help="take each case's MaxText side from the last record of the same case and compiler options "
+                        "in this file (e.g. benchmarks/results/tpu.jsonl) instead of compiling it again: after a "
+                        "change to jaxperf, only its side is compiled; the record keeps the MaxText side's jax, "
+                        "libtpu and its compile date (maxtext_compiled)")
     m.add_argument("--out", default=None, help=f"JSON lines file the records are appended to (default "
                                                f"{DEFAULT_OUT.relative_to(REPO)})")
     a = ap.parse_args(argv)

@@ -98,3 +98,43 @@ def test_a_compiler_option_reaches_both_sides_and_the_record(tpu_bench, monkeypa
     assert real_maxtext("python", "v5p:2x2x2", {}, 1, 2048, "full", 1.0, 1.0, 1.0, "llama2-7b", None, (flag,)) == {
         "ok": 1}
     assert seen["env"]["LIBTPU_INIT_ARGS"] == f"--xla_tpu_scoped_vmem_limit_kib=98304 --{flag}"
+
+
+def test_maxtext_from_takes_the_recorded_maxtext_side_and_compiles_only_jaxperfs(tpu_bench, monkeypatch, capsys,
+                                                                                  tmp_path):
+    """--maxtext-from: a case recorded before (same shape, same compiler options) keeps that record's MaxText side,
+    its versions and its compile date; only jaxperf's side is compiled; a case not recorded there is compiled (or,
+    with --no-maxtext, skipped) as usual; a missing file is one line."""
+    args = ["--matrix", "--models", "llama2-7b", "--topologies", "v5p:2x2x2", "--rows", "1", "--seqs", "2048,4096",
+            "--remats", "full", "--no-maxtext"]
+    cases = tpu_bench.main([*args, "--list"])
+    capsys.readouterr()
+    earlier = {**cases[0], "name": "matrix_case", "date": "2026-11-28T13:29:37+00:00", "maxtext_status": "ok",
+               "maxtext_fits": True, "maxtext_bytes": 400, "maxtext_step_s": 2.0, "maxtext_collective_s": 0.5,
+               "jaxperf_bytes": 999, "jax": {"jaxperf": "0.12.0.1", "maxtext": "0.12.0.1"},
+               "libtpu": {"jaxperf": "0.0.52", "maxtext": "0.0.52"}, "maxtext_version": "0.2.5"}
+    flagged = {**earlier, "compiler_options": {"xla_foo": False}, "maxtext_bytes": 1}  # another case
+    recorded = tmp_path / "tpu.jsonl"
+    recorded.write_text("not json\n" + json.dumps(earlier) + "\n" + json.dumps(flagged) + "\n")
+    compiled = []
+    prediction = {"step_s": 1.0, "mfu": 0.5, "bound_by": "compute", "hbm_bytes": 1.0, "collective_wire_bytes": 1.0,
+                  "collectives": {}, "unknown_trip_counts": []}
+
+    def fake_jaxperf(topology, overrides, timeout, hlo_out=None):
+        compiled.append(overrides)
+        return {"bytes_per_chip": {"total": 300}, "prediction": prediction, "predicted_step_s": 1.0,
+                "model_flops_per_chip": 1.0, "flops_per_chip": 1.0}
+
+    monkeypatch.setattr(tpu_bench, "run_jaxperf", fake_jaxperf)
+    monkeypatch.setattr(tpu_bench, "run_maxtext", lambda *a: pytest.fail("MaxText compiled"))
+    monkeypatch.setattr(tpu_bench, "_libtpu_dir", lambda: "/nowhere")
+    monkeypatch.setattr(tpu_bench, "_jaxperf_compiler", lambda: {"jax": "0.12.0.1", "libtpu": "0.0.52"})
+    out = tmp_path / "new.jsonl"
+    reused, fresh = tpu_bench.main([*args, "--maxtext-from", str(recorded), "--out", str(out)])
+    assert len(compiled) == 2 and len(out.read_text().splitlines()) == 2
+    assert (reused["maxtext_bytes"], reused["maxtext_step_s"], reused["maxtext_version"]) == (400, 2.0, "0.2.5")
+    assert reused["maxtext_compiled"] == earlier["date"] and reused["jaxperf_bytes"] == 300
+    assert reused["bytes_ratio"] == 0.75 and reused["step_ratio"] == 0.5 and reused["same_compiler"] is True
+    assert fresh["maxtext_status"] == "skipped" and fresh["maxtext_bytes"] is None and "maxtext_compiled" not in fresh
+    with pytest.raises(SystemExit, match="no such file"):
+        tpu_bench.main([*args, "--maxtext-from", str(tmp_path / "missing.jsonl")])

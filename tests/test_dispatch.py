@@ -100,6 +100,19 @@ def test_layer_weights_are_rounded_before_the_cast_on_tpu_unless_set():
     assert plat.for_platform(on, "cpu").round_weights_before_cast is True
 
 
+def test_mlp_weights_are_gathered_whole_on_tpu_unless_set():
+    """On TPU the MLP gathers each weight whole before its matmul (`jaxperf.parallel.rules.gather_weight`, its numbers
+    checked in tests/test_parallel.py); elsewhere the compiler's own gather; a set value stays."""
+    tiny = get_config("tiny").model
+    assert tiny.gather_mlp_weights is None
+    assert plat.for_platform(tiny, "tpu").gather_mlp_weights is True
+    assert plat.for_platform(tiny, "cpu").gather_mlp_weights is False
+    assert plat.for_platform(tiny, "gpu").gather_mlp_weights is False
+    assert plat.for_platform(get_config("tiny", ["model.gather_mlp_weights=false"]).model, "tpu").gather_mlp_weights \
+        is False
+    assert plat.for_platform(get_config("tiny", ["model.gather_mlp_weights=true"]).model, "cpu").gather_mlp_weights
+
+
 def test_expert_parallelism_sends_ragged_on_tpu_and_cpu_refuses_it_in_one_line():
     """The ragged all-to-all is settled on for TPU only (no GPU run has checked it; asked for, a GPU takes it) and
     never for CPU, whose XLA has none: set there, an MoE config is refused before anything is traced; a dense model

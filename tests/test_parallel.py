@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import flat, make_task, random_batches
 from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, mesh_shape
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
-from jaxperf.parallel.rules import activation_sharding, get_rules
+from jaxperf.parallel.rules import activation_sharding, constrain, gather_weight, get_rules
 from jaxperf.step.task import Task
 
 # 8 heads so that tp=8 divides them; 2 scanned layers; vocab 256; fp32 for tight comparisons.
@@ -124,6 +127,45 @@ def test_gradient_accumulation_equals_large_batch():
     ref = flat(big.params)
     for path, leaf in flat(acc.params).items():
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
+
+
+def test_gathered_mlp_weights_match_single_device(single_device):
+    """`model.gather_mlp_weights` (the TPU default) gathers each MLP weight whole before its matmul and sends the
+    gradient back in the weight's own layout: under fsdp over 4 and tensor over 2, the numbers of one device."""
+    state, losses, history = _run(MESHES["fsdp_tp"], "fsdp_tp", 3,
+                                  model=dataclasses.replace(MODEL, gather_mlp_weights=True))
+    _, ref_losses, ref_history = single_device
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ref = flat(ref_history[-1])
+    for path, leaf in flat(history[-1]).items():
+        np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=path)
+    w_in = state.params["blocks"]["mlp"]["w_in_DxF"]
+    assert w_in.addressable_shards[0].data.shape == SHARD_SHAPES["blocks/mlp/w_in_DxF"][ORDER.index("fsdp_tp")]
+
+
+def test_gather_weight_gathers_over_fsdp_and_returns_the_gradient_in_the_weights_layout():
+    """Inside the function the weight lies as the activation rules say (fsdp gathered, tensor kept); its gradient
+    comes out in the parameter's layout. A plain constraint would gather the same, but pin the gradient gathered too
+    (on TPU an all-reduce of the whole gradient where a reduce-scatter does)."""
+    mesh = make_mesh(ParallelConfig(strategy="fsdp_tp", data=1, fsdp=4, tensor=2))
+    rules = get_rules("fsdp_tp", mesh)
+    w = jax.device_put(jnp.ones((64, 256)), NamedSharding(mesh, P("fsdp", "tensor")))
+    x = jnp.ones((16, 64))
+    seen = {}
+
+    def loss(w, pin):
+        with activation_sharding(mesh, rules):
+            inner = pin(w, ("embed", "mlp"))
+            jax.debug.inspect_array_sharding(inner, callback=lambda s: seen.setdefault(pin.__name__, s))
+            return jnp.sum(jnp.tanh(x @ inner))
+
+    grads = {pin.__name__: jax.jit(jax.grad(loss), static_argnums=1)(w, pin) for pin in (gather_weight, constrain)}
+    for name in ("gather_weight", "constrain"):
+        assert seen[name].spec in (P(None, "tensor"), P(None, ("tensor",))), (name, seen[name])
+    assert grads["gather_weight"].sharding.spec == P("fsdp", "tensor"), grads["gather_weight"].sharding
+    assert grads["constrain"].sharding.spec != P("fsdp", "tensor"), grads["constrain"].sharding
+    np.testing.assert_allclose(grads["gather_weight"], grads["constrain"], rtol=1e-6)
+    assert gather_weight(w, ("embed", "mlp")) is w  # outside activation_sharding: the weight as it is
 
 
 def test_activation_constraints_follow_rules():

@@ -109,6 +109,11 @@ class ModelConfig:
     # and casts the stacks to param_dtype after the loop: the same bits, half the gradient stacks at the backward's
     # peak (jaxperf.models.layer_scan). None: the platform's choice (jaxperf.models.platform): on TPU
     layer_grads_in_compute_dtype: bool | None = None
+    # Gather each MLP weight whole before its matmul and send its gradient straight back to the weight's own sharding
+    # (jaxperf.parallel.rules.gather_weight), rather than leave the compiler to gather it window by window inside the
+    # matmul. None: the platform's choice (jaxperf.models.platform): on TPU, where the windowed loops of the MLP's
+    # backward read the hidden-layer gradient from HBM again for each window
+    gather_mlp_weights: bool | None = None
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
     # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled
     # config runs the portable choices: XLA for every "auto", scan_unroll 1, no barrier.

@@ -24,7 +24,7 @@ from jaxperf.models.quant import Int8Weight
 from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
-from jaxperf.parallel.rules import constrain, sequence_is_split
+from jaxperf.parallel.rules import constrain, gather_weight, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
@@ -385,7 +385,9 @@ class MLP(nnx.Module):
     """GELU MLP (GPT-2) or SwiGLU (Llama).
 
     `mlp_act="gelu"` is the tanh approximation of GELU (GPT-2's own, HF `gelu_new`); `"gelu_exact"` the erf form (HF
-    `gelu`), which checkpoints trained with PyTorch's default `nn.GELU` need to reproduce their logits.
+    `gelu`), which checkpoints trained with PyTorch's default `nn.GELU` need to reproduce their logits. With
+    `model.gather_mlp_weights` (on for TPU) each weight is gathered whole before its matmul and its gradient sent
+    straight back to the weight's own sharding (`jaxperf.parallel.rules.gather_weight`).
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -396,6 +398,7 @@ class MLP(nnx.Module):
         self.act = cfg.mlp_act
         self.grad_barrier = bool(cfg.matmul_grad_barrier)
         self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
+        self.gather_weights = bool(cfg.gather_mlp_weights)  # see `jaxperf.parallel.rules.gather_weight`
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
@@ -403,19 +406,24 @@ class MLP(nnx.Module):
         self.bias_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
         self.bias_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
 
+    def _weight(self, w, dt, logical_axes):
+        w = to_compute(w[...], dt, round_first=self.round_weights)
+        if self.gather_weights and isinstance(w, jax.Array):
+            w = gather_weight(w, logical_axes)
+        return w
+
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
-        rw = self.round_weights
-        h = _column(x_BxLxD, to_compute(self.w_in_DxF[...], dt, round_first=rw), hooks, self.grad_barrier)
+        h = _column(x_BxLxD, self._weight(self.w_in_DxF, dt, ("embed", "mlp")), hooks, self.grad_barrier)
         if self.bias_in_F is not None:
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
-            gate = _column(x_BxLxD, to_compute(self.w_gate_DxF[...], dt, round_first=rw), hooks, self.grad_barrier)
+            gate = _column(x_BxLxD, self._weight(self.w_gate_DxF, dt, ("embed", "mlp")), hooks, self.grad_barrier)
             h = jax.nn.silu(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(h, "mlpwi_1")
         else:
             h = jax.nn.gelu(checkpoint_name(h, "mlpwi"), approximate=self.act != "gelu_exact")
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = _row(h_BxLxF, to_compute(self.w_out_FxD[...], dt, round_first=rw), 1, hooks, self.grad_barrier)
+        y = _row(h_BxLxF, self._weight(self.w_out_FxD, dt, ("mlp", "embed")), 1, hooks, self.grad_barrier)
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlpwo")
