@@ -25,6 +25,7 @@ from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
 from jaxperf.parallel.rules import constrain, gather_weight, sequence_is_split
+from jaxperf.parallel.rules import current as current_rules
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
@@ -406,24 +407,31 @@ class MLP(nnx.Module):
         self.bias_in_F = _param(rngs, _zeros, (F,), ("mlp",), pd) if use_bias else None
         self.bias_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
 
-    def _weight(self, w, dt, logical_axes):
+    def _matmul(self, fn, x, w, dt, logical_axes):
+        """fn(x, w) with `w` cast to the compute dtype; with `gather_weights`, gathered whole inside a checkpoint of
+        its own, so the backward gathers it again rather than keep the gathered copy as a residual (under a remat
+        policy that saves the matmuls, each layer's gathered weights would stay live until its backward)."""
         w = to_compute(w[...], dt, round_first=self.round_weights)
-        if self.gather_weights and isinstance(w, jax.Array):
-            w = gather_weight(w, logical_axes)
-        return w
+        if not (self.gather_weights and isinstance(w, jax.Array) and current_rules() is not None):
+            return fn(x, w)
+        return jax.checkpoint(lambda x, w: fn(x, gather_weight(w, logical_axes)), prevent_cse=False)(x, w)
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
-        h = _column(x_BxLxD, self._weight(self.w_in_DxF, dt, ("embed", "mlp")), hooks, self.grad_barrier)
+        def column(x, w):
+            return _column(x, w, hooks, self.grad_barrier)
+
+        h = self._matmul(column, x_BxLxD, self.w_in_DxF, dt, ("embed", "mlp"))
         if self.bias_in_F is not None:
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
-            gate = _column(x_BxLxD, self._weight(self.w_gate_DxF, dt, ("embed", "mlp")), hooks, self.grad_barrier)
+            gate = self._matmul(column, x_BxLxD, self.w_gate_DxF, dt, ("embed", "mlp"))
             h = jax.nn.silu(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(h, "mlpwi_1")
         else:
             h = jax.nn.gelu(checkpoint_name(h, "mlpwi"), approximate=self.act != "gelu_exact")
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
-        y = _row(h_BxLxF, self._weight(self.w_out_FxD, dt, ("mlp", "embed")), 1, hooks, self.grad_barrier)
+        y = self._matmul(lambda h, w: _row(h, w, 1, hooks, self.grad_barrier), h_BxLxF, self.w_out_FxD, dt,
+                         ("mlp", "embed"))
         if self.bias_out_D is not None:
             y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
         return checkpoint_name(y, "mlpwo")
