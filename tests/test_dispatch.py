@@ -100,16 +100,20 @@ def test_layer_weights_are_rounded_before_the_cast_on_tpu_unless_set():
     assert plat.for_platform(on, "cpu").round_weights_before_cast is True
 
 
-def test_mlp_weights_are_gathered_whole_on_tpu_unless_set():
-    """On TPU the MLP gathers each weight whole before its matmul (`jaxperf.parallel.rules.gather_weight`, its numbers
-    checked in tests/test_parallel.py); elsewhere the compiler's own gather; a set value stays."""
-    tiny = get_config("tiny").model
-    assert tiny.gather_mlp_weights is None
-    assert plat.for_platform(tiny, "tpu").gather_mlp_weights is True
-    assert plat.for_platform(tiny, "cpu").gather_mlp_weights is False
-    assert plat.for_platform(tiny, "gpu").gather_mlp_weights is False
-    assert plat.for_platform(get_config("tiny", ["model.gather_mlp_weights=false"]).model, "tpu").gather_mlp_weights \
-        is False
+def test_mlp_weights_are_gathered_whole_on_tpu_from_4_mib_unless_set():
+    """On TPU the MLP gathers each weight of 4 MiB or more (in the compute dtype) whole before its matmul
+    (`jaxperf.parallel.rules.gather_weight`, its numbers checked in tests/test_parallel.py); smaller ones, and every
+    weight elsewhere, the compiler gathers its own way; a set value stays."""
+    small = get_config("tiny").model  # 128 x 512 fp32: 256 KiB
+    big = get_config("gpt2-small").model  # 768 x 3072 bf16: 4.5 MiB
+    assert small.gather_mlp_weights is None and big.gather_mlp_weights is None
+    assert plat.mlp_weight_bytes(big) == 768 * 3072 * 2 >= plat.GATHER_MLP_MIN_BYTES > plat.mlp_weight_bytes(small)
+    assert plat.for_platform(big, "tpu").gather_mlp_weights is True
+    assert plat.for_platform(small, "tpu").gather_mlp_weights is False
+    assert plat.for_platform(big, "cpu").gather_mlp_weights is False
+    assert plat.for_platform(big, "gpu").gather_mlp_weights is False
+    assert plat.for_platform(get_config("gpt2-small", ["model.gather_mlp_weights=false"]).model, "tpu") \
+        .gather_mlp_weights is False
     assert plat.for_platform(get_config("tiny", ["model.gather_mlp_weights=true"]).model, "cpu").gather_mlp_weights
 
 

@@ -111,8 +111,8 @@ class ModelConfig:
     layer_grads_in_compute_dtype: bool | None = None
     # Gather each MLP weight whole before its matmul and send its gradient straight back to the weight's own sharding
     # (jaxperf.parallel.rules.gather_weight), rather than leave the compiler to gather it window by window inside the
-    # matmul. None: the platform's choice (jaxperf.models.platform): on TPU, where the windowed loops of the MLP's
-    # backward read the hidden-layer gradient from HBM again for each window
+    # matmul. None: the platform's choice (jaxperf.models.platform): on TPU for weights of 4 MiB or more, where the
+    # windowed loops of the MLP's backward read the hidden-layer gradient from HBM again for each window
     gather_mlp_weights: bool | None = None
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with
     # every "auto" above) from the mesh's devices when the config meets the mesh. A model built from an unsettled

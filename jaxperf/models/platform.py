@@ -18,7 +18,7 @@ Fields `settle` fills:
 | keep_head_dims (None) | True on TPU (the attention projections keep [D, H, Dh]: the backward gathers each weight once, llama2-7b on v5p 1708 -> 1449 GB of HBM traffic per step), False elsewhere |
 | round_weights_before_cast (None) | True on TPU (each layer rounds its fp32 weight slice to bf16 bits before the cast, so the compiler makes no bf16 copy of the whole stacked weights before the layer loop: llama2-7b on 16 v5p chips 11.84 -> 11.03 GB per chip), False elsewhere |
 | layer_grads_in_compute_dtype (None) | True on TPU (remat full over scanned layers: each layer's weight gradients stacked in bf16 inside the backward loop, cast to fp32 after it, the same bits; llama2-7b on v6e:4x4 at 2 x 4096: 10.59 -> 9.82 GB per chip), False elsewhere |
-| gather_mlp_weights (None) | True on TPU (each MLP weight gathered whole before its matmul, its gradient reduce-scattered straight back, where the compiler would gather it window by window: llama2-7b on v6e:2x4 at 1 x 2048 per chip, predicted step 0.155 -> 0.125 s), False elsewhere |
+| gather_mlp_weights (None) | True on TPU for MLP weights of 4 MiB or more in the compute dtype (each gathered whole before its matmul, its gradient reduce-scattered straight back, where the compiler would gather it window by window: llama2-7b on v6e:2x4 at 1 x 2048 per chip, predicted step 0.155 -> 0.125 s; `GATHER_MLP_MIN_BYTES` says why not below), False elsewhere |
 | ragged_all_to_all (None) | True on TPU (dropless expert parallelism sends only the token slots routed, `jax.lax.ragged_all_to_all`: Mixtral-8x7B over expert=8 on v5p, 45.1 -> 11.5 GB of all-to-all a step as the compiled program predicts under balanced routing), False on CPU, whose XLA has none, and on GPU, where it has not run (one block of the worst case to every device; true asks for it) |
 | matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
 | scan_unroll (None) | on GPU n_layers: the whole stack in one iteration, parameters still stacked (measured on an H100: gpt2-small 1.50x the tokens/s of a rolled scan in 0.64x the memory, llama-1b 1.10x; benchmarks/RESULTS.md, "GPU"); on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; on TPU 1 (one layer's recomputed activations live at a time) |
@@ -58,6 +58,18 @@ CHUNKED_LOSS_BYTES = 256 * 2**20
 GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 
 
+# The size of one MLP weight in the compute dtype from which the TPU default gathers it whole before its matmul
+# (`gather_mlp_weights`). Below it the compiler's own program was as good or better: llama-1b's layers at d_model 512
+# (a 2 MiB weight) compiled to the same program either way, tiny's (256 KiB) to one that moves 6% more HBM bytes
+# with the gather, while gpt2-small's (4.5 MiB) and the 7B-8B models' (86 MiB) steps are shorter with it.
+GATHER_MLP_MIN_BYTES = 4 * 2**20
+
+
+def mlp_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one dense MLP weight [d_model, mlp_dim] in the compute dtype."""
+    return cfg.d_model * cfg.resolved().mlp_dim * jnp.dtype(cfg.dtype).itemsize
+
+
 def chunked_loss_bytes(platform: str) -> int:
     """The logits size above which "auto" picks the chunked loss on `platform` (accelerators only)."""
     return GPU_CHUNKED_LOSS_BYTES if platform == "gpu" else CHUNKED_LOSS_BYTES
@@ -95,7 +107,7 @@ def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
     if cfg.layer_grads_in_compute_dtype is None:
         changes["layer_grads_in_compute_dtype"] = platform == "tpu"
     if cfg.gather_mlp_weights is None:
-        changes["gather_mlp_weights"] = platform == "tpu"
+        changes["gather_mlp_weights"] = platform == "tpu" and mlp_weight_bytes(cfg) >= GATHER_MLP_MIN_BYTES
     if cfg.ragged_all_to_all is None:
         changes["ragged_all_to_all"] = platform == "tpu"
     elif cfg.ragged_all_to_all and platform == "cpu" and cfg.n_experts and not cfg.capacity_factor:
