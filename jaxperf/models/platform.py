@@ -60,8 +60,9 @@ GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 
 # The size of one MLP weight in the compute dtype from which the TPU default gathers it whole before its matmul
 # (`gather_mlp_weights`). Below it the compiler's own program was as good or better: llama-1b's layers at d_model 512
-# (a 2 MiB weight) compiled to the same program either way, tiny's (256 KiB) to one that moves 6% more HBM bytes
-# with the gather, while gpt2-small's (4.5 MiB) and the 7B-8B models' (86 MiB) steps are shorter with it.
+# (a 2 MiB weight) compiled to the same predicted step and collectives either way, tiny's (256 KiB) to a program that
+# moves 6% more HBM bytes with the gather, while gpt2-small's (4.5 MiB) and the 7B-8B models' (86 MiB) predicted
+# steps are shorter with it (docs/performance.md, "The small-batch v6e step").
 GATHER_MLP_MIN_BYTES = 4 * 2**20
 
 
