@@ -468,11 +468,14 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
     mt = None
     if maxtext_record is not None:
         rec.update({k: v for k, v in maxtext_record.items() if k.startswith("maxtext_") and k != "maxtext_compiled"})
-        rec.update({"maxtext_compiled": maxtext_record.get("maxtext_compiled") or maxtext_record["date"],
+        rec.update({"maxtext_compiled": maxtext_record.get("maxtext_compiled") or maxtext_record.get("date"),
                     "model_flops_per_chip": flops[0], "hardware_flops_per_chip": flops[1],
-                    "jax": {"jaxperf": jc["jax"], "maxtext": maxtext_record["jax"]["maxtext"]},
-                    "libtpu": {"jaxperf": jc["libtpu"], "maxtext": maxtext_record["libtpu"]["maxtext"]},
+                    "jax": {"jaxperf": jc["jax"], "maxtext": (maxtext_record.get("jax") or {}).get("maxtext")},
+                    "libtpu": {"jaxperf": jc["libtpu"],
+                               "maxtext": (maxtext_record.get("libtpu") or {}).get("maxtext")},
                     "jaxperf_overrides": overrides})
+        if rec["hbm_bytes"] is None:
+            rec["hbm_bytes"] = maxtext_record.get("hbm_bytes")
     elif python is None:
         mside = {"status": "skipped", "fits": None, "error": why, "wall_s": 0.0}
     else:
@@ -488,7 +491,7 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
     rec["step_ratio"] = rec["jaxperf_step_s"] / rec["maxtext_step_s"] if steps else None
     rec["same_compiler"] = (rec["jax"]["jaxperf"] == rec["jax"]["maxtext"]
                             and rec["libtpu"]["jaxperf"] == rec["libtpu"]["maxtext"]) \
-        if (mt or maxtext_record) else None
+        if (mt or (maxtext_record and rec["jax"]["maxtext"])) else None
     return record("tpu_compile", "matrix_case", rec["bytes_ratio"], "ratio", **rec)
 
 
@@ -611,7 +614,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="take each case's MaxText side from the last record of the same case and compiler options "
                         "in this file (e.g. benchmarks/results/tpu.jsonl) instead of compiling it again: after a "
                         "change to jaxperf, only its side is compiled; the record keeps the MaxText side's jax, "
-                        "libtpu and its compile date (maxtext_compiled)")
+                        "libtpu and its compile date (maxtext_compiled); a case is its shape, remat and compiler "
+                        "options, so a record made before a change to MODELS' shapes would be taken as it is")
     m.add_argument("--out", default=None, help=f"JSON lines file the records are appended to (default "
                                                f"{DEFAULT_OUT.relative_to(REPO)})")
     a = ap.parse_args(argv)

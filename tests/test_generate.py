@@ -175,12 +175,15 @@ def test_one_compilation_for_a_long_generation():
 @pytest.mark.parametrize("strategy,parallel", [("tp", dict(data=4, fsdp=1, tensor=2)),
                                                ("fsdp_tp", dict(data=1, fsdp=2, tensor=4))])
 def test_generation_on_a_mesh_equals_single_device(strategy, parallel):
-    model = _model("llama", n_kv_heads=4)
+    """Sharded generation gives the single device's tokens. The MLP's whole-weight gathers are a train-step setting
+    (`model.gather_mlp_weights`, on for large TPU models): a model trained with them serves without."""
+    model = _model("llama", n_kv_heads=4, gather_mlp_weights=True)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3]]
     kw = dict(max_tokens=6, temperature=0.9, top_k=30, seed=5)
     single = Generator(model).generate(prompts, **kw)
     mesh = make_mesh(ParallelConfig(strategy=strategy, **parallel))
     sharded_gen = Generator(model, mesh=mesh, strategy=strategy)
+    assert sharded_gen.cfg.gather_mlp_weights is False and sharded_gen.cfg.scan_layers is False
     wq = sharded_gen.params["blocks"][0]["attn"]["wq_DxHxDh"]  # layers unstacked for serving
     assert wq.addressable_shards[0].data.shape[1] == 4 // parallel["tensor"]  # [D, H, Dh]: heads split
     sharded = sharded_gen.generate(prompts, **kw)

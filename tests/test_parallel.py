@@ -14,6 +14,7 @@ from helpers import flat, make_task, random_batches
 from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, mesh_shape
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
+from jaxperf.parallel import rules as rules_module
 from jaxperf.parallel.rules import activation_sharding, constrain, gather_weight, get_rules
 from jaxperf.step.task import Task
 
@@ -129,11 +130,20 @@ def test_gradient_accumulation_equals_large_batch():
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(ref[path]), rtol=1e-5, atol=2e-6, err_msg=path)
 
 
-def test_gathered_mlp_weights_match_single_device(single_device):
-    """`model.gather_mlp_weights` (the TPU default) gathers each MLP weight whole before its matmul and sends the
-    gradient back in the weight's own layout: under fsdp over 4 and tensor over 2, the numbers of one device."""
+def test_gathered_mlp_weights_match_single_device(single_device, monkeypatch):
+    """`model.gather_mlp_weights` (the TPU default for large weights) gathers each MLP weight whole before its matmul
+    and sends the gradient back in the weight's own layout: under fsdp over 4 and tensor over 2, the numbers of one
+    device, with both MLP weights gathered."""
+    real, gathered = rules_module._gather_to, set()
+
+    def counting(w, to, own):
+        gathered.add(tuple((*spec, *[None] * (w.ndim - len(spec))) for spec in (to.spec, own.spec)))
+        return real(w, to, own)
+
+    monkeypatch.setattr(rules_module, "_gather_to", counting)
     state, losses, history = _run(MESHES["fsdp_tp"], "fsdp_tp", 3,
                                   model=dataclasses.replace(MODEL, gather_mlp_weights=True))
+    assert gathered == {((None, "tensor"), ("fsdp", "tensor")), (("tensor", None), ("tensor", "fsdp"))}, gathered
     _, ref_losses, ref_history = single_device
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     ref = flat(ref_history[-1])

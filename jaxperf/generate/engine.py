@@ -174,10 +174,14 @@ class Generator:
         cfg = model.cfg
         _, param_state, _ = nnx.split(model, nnx.Param, ...)
         values = nnx.to_pure_dict(param_state) if params is None else params
-        if cfg.scan_layers:  # the serving layout: one set of weights per layer, read in place
-            cfg = dataclasses.replace(cfg, scan_layers=False)
-            model = nnx.eval_shape(lambda: type(model)(cfg, rngs=nnx.Rngs(0)))
-            values = unstack_layers(values, cfg.n_layers)
+        # The serving layout: one set of weights per layer, read in place; and no whole-weight gathers for the MLP (a
+        # train-step choice, `model.gather_mlp_weights`: a decode step's few rows are cheaper to move than weights).
+        serving = dataclasses.replace(cfg, scan_layers=False, gather_mlp_weights=False)
+        if serving != cfg:
+            model = nnx.eval_shape(lambda: type(model)(serving, rngs=nnx.Rngs(0)))
+            if cfg.scan_layers:
+                values = unstack_layers(values, cfg.n_layers)
+            cfg = serving
         if quantize == "int8":
             values = quantize_params(values)
         self.cfg = cfg

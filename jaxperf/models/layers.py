@@ -24,8 +24,7 @@ from jaxperf.models.quant import Int8Weight
 from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
-from jaxperf.parallel.rules import constrain, gather_weight, sequence_is_split
-from jaxperf.parallel.rules import current as current_rules
+from jaxperf.parallel.rules import constrain, gather_weight, gathers, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
@@ -400,6 +399,7 @@ class MLP(nnx.Module):
         self.grad_barrier = bool(cfg.matmul_grad_barrier)
         self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
         self.gather_weights = bool(cfg.gather_mlp_weights)  # see `jaxperf.parallel.rules.gather_weight`
+        self.scanned = bool(cfg.scan_layers)
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
@@ -408,13 +408,16 @@ class MLP(nnx.Module):
         self.bias_out_D = _param(rngs, _zeros, (D,), ("embed",), pd) if use_bias else None
 
     def _matmul(self, fn, x, w, dt, logical_axes):
-        """fn(x, w) with `w` cast to the compute dtype; with `gather_weights`, gathered whole inside a checkpoint of
-        its own, so the backward gathers it again rather than keep the gathered copy as a residual (under a remat
-        policy that saves the matmuls, each layer's gathered weights would stay live until its backward)."""
+        """fn(x, w) with `w` cast to the compute dtype; with `gather_weights`, where that changes its layout, gathered
+        whole inside a checkpoint of its own, so the backward gathers it again rather than keep the gathered copy as
+        the matmul's residual (without remat, every layer's gathered weights would stay live until its backward).
+        Under a Python loop over the layers the checkpoint keeps XLA from merging the two gathers (`prevent_cse`);
+        under the layer scan, forward and backward are different loops and the barrier is not needed."""
         w = to_compute(w[...], dt, round_first=self.round_weights)
-        if not (self.gather_weights and isinstance(w, jax.Array) and current_rules() is not None):
+        if not (self.gather_weights and isinstance(w, jax.Array) and gathers(w, logical_axes)):
             return fn(x, w)
-        return jax.checkpoint(lambda x, w: fn(x, gather_weight(w, logical_axes)), prevent_cse=False)(x, w)
+        return jax.checkpoint(lambda x, w: fn(x, gather_weight(w, logical_axes)),
+                              prevent_cse=not self.scanned)(x, w)
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype

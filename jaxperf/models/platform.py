@@ -59,10 +59,11 @@ GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 
 
 # The size of one MLP weight in the compute dtype from which the TPU default gathers it whole before its matmul
-# (`gather_mlp_weights`). Below it the compiler's own program was as good or better: llama-1b's layers at d_model 512
-# (a 2 MiB weight) compiled to the same predicted step and collectives either way, tiny's (256 KiB) to a program that
-# moves 6% more HBM bytes with the gather, while gpt2-small's (4.5 MiB) and the 7B-8B models' (86 MiB) predicted
-# steps are shorter with it (docs/performance.md, "The small-batch v6e step").
+# (`gather_mlp_weights`). Below it the compiler's own program was as good or better: the llama-1b preset cut to
+# d_model 512 and mlp_dim 2048 (a 2 MiB weight) compiled to the same predicted step and collectives either way,
+# tiny's (256 KiB) to a program that moves 6% more HBM bytes with the gather, while gpt2-small's (4.5 MiB) and the
+# 7B-8B models' (86 MiB) predicted steps are shorter with it (docs/performance.md, "The small-batch v6e step").
+# The MoE layers' shared experts follow the dense width's choice.
 GATHER_MLP_MIN_BYTES = 4 * 2**20
 
 
@@ -89,9 +90,10 @@ class Choice:
 
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
-    """`cfg` with its platform and the fields that depend on the platform alone settled (platform,
+    """`cfg` with its platform and the fields that depend on the platform (and the model's widths) settled (platform,
     matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast, layer_grads_in_compute_dtype,
-    gather_mlp_weights, ragged_all_to_all); the implementations stay as they are (`settle` picks them for a train step)."""
+    gather_mlp_weights, ragged_all_to_all); the implementations stay as they are (`settle` picks them for a train
+    step)."""
     _check(platform)
     if cfg.platform is not None and cfg.platform != platform:
         raise ConfigError(f"model.platform={cfg.platform!r} but the mesh's devices are {platform!r}: leave "

@@ -205,9 +205,21 @@ def gather_weight(w: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array
     compiler gathers an fsdp weight inside the matmul, one window at a time; `model.gather_mlp_weights` (on for TPU)
     gathers the MLP weights whole instead, which moves fewer bytes through HBM where the step is bound by it (llama2-7b
     on v6e:2x4 at 1 x 2048 per chip: predicted step 0.155 -> 0.125 s; docs/performance.md)."""
+    layouts = _gather_layouts(w, logical_axes)
+    return w if layouts is None else _gather_to(w, *layouts)
+
+
+def gathers(w: jax.Array, logical_axes: Sequence[str | None]) -> bool:
+    """Whether `gather_weight(w, logical_axes)` changes the weight's layout here (false outside `activation_sharding`
+    and where the parameter already lies as the activation rules say, e.g. under `tp` or `dp`)."""
+    return _gather_layouts(w, logical_axes) is not None
+
+
+def _gather_layouts(w, logical_axes) -> tuple[NamedSharding, NamedSharding] | None:
+    """(the activation rules' layout, the parameter's) of a weight with these names, or None where they agree."""
     active = _ACTIVE.get()
     if active is None:
-        return w
+        return None
     mesh, rules = active
     if len(logical_axes) != w.ndim:
         raise ValueError(f"gather_weight: {len(logical_axes)} names {tuple(logical_axes)} for a weight of shape "
@@ -215,9 +227,7 @@ def gather_weight(w: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array
     cmesh = _compat.context_mesh(mesh)
     gathered = NamedSharding(cmesh, logical_to_spec(logical_axes, rules.activations, mesh, w.shape))
     own = NamedSharding(cmesh, logical_to_spec(logical_axes, rules.params, mesh, w.shape))
-    if gathered.spec == own.spec:
-        return w
-    return _gather_to(w, gathered, own)
+    return None if gathered.spec == own.spec else (gathered, own)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
