@@ -3,6 +3,7 @@ with one device, literal shard shapes, 1F1B's memory against GPipe's, and the re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -68,8 +69,8 @@ def _batches(packed: bool) -> list[dict]:
     return batches
 
 
-def _run(parallel: dict, microbatches: int, packed: bool, devices=None):
-    task = make_task(MODEL, ParallelConfig(**parallel), optim=OPTIM, devices=devices, microbatches=microbatches)
+def _run(parallel: dict, microbatches: int, packed: bool, devices=None, model=MODEL):
+    task = make_task(model, ParallelConfig(**parallel), optim=OPTIM, devices=devices, microbatches=microbatches)
     state, step, losses = task.init_state(), task.train_step(), []
     for batch in _batches(packed):
         state, metrics = step(state, jax.device_put(batch, task.batch_sharding()))
@@ -102,6 +103,31 @@ def test_matches_one_device_and_shards_as_written(name, one_device):
     for path, shape in SHARDS[name].items():
         for shard in params[path].addressable_shards:
             assert shard.data.shape == shape, f"{name}: {path} shard {shard.data.shape} != {shape}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel,microbatches", [
+    (dict(strategy="fsdp", fsdp=2, stage=2, seq=2), 2),
+    (dict(strategy="fsdp_tp", data=1, fsdp=2, tensor=2, sequence_parallel=True), 1),
+], ids=["fsdp2_stage2_seq2", "fsdp2_tensor2_sp"])
+def test_gathered_mlp_weights_under_stage_seq_and_sequence_parallelism_match_one_device(parallel, microbatches,
+                                                                                         one_device, monkeypatch):
+    """`model.gather_mlp_weights` (on for large weights on TPU) inside the pipeline's stages, beside ring attention,
+    and under Megatron sequence parallelism's collective matmuls: the weights are gathered, and the numbers are one
+    device's."""
+    from jaxperf.parallel import rules
+
+    real, calls = rules._gather_to, []
+    monkeypatch.setattr(rules, "_gather_to", lambda w, to, own: calls.append(own.spec) or real(w, to, own))
+    n_devices = math.prod(parallel.get(a, 1) for a in ("data", "stage", "fsdp", "seq", "tensor"))
+    model = dataclasses.replace(MODEL, gather_mlp_weights=True)
+    state, losses = _run(parallel, microbatches, False, devices=jax.devices()[:n_devices], model=model)
+    assert calls, "no MLP weight was gathered"
+    ref_state, ref_losses = one_device[False]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    ref = flat(ref_state.params)
+    for path, leaf in flat(state.params).items():
+        np.testing.assert_allclose(leaf, ref[path], rtol=1e-5, atol=2e-6, err_msg=path)
 
 
 def test_packed_documents_change_the_loss():
