@@ -255,6 +255,24 @@ def test_qwen2_moe_layers_split_over_experts_as_on_one_device():
         np.testing.assert_allclose(leaf, want[path], rtol=1e-5, atol=2e-6, err_msg=path)
 
 
+@pytest.mark.slow
+def test_the_router_bias_moves_over_experts_as_on_one_device():
+    """Loss-free balancing over expert=2 x fsdp=2 x tensor=2: each device chooses with the whole bias and hands it the
+    loads of the whole batch, so three steps leave every bias (and every other parameter) as one device's do."""
+    biased = dataclasses.replace(MOE, router_bias=True, router_bias_update_rate=0.003)
+    ref_state, ref = _train(biased, dict(data=1, fsdp=1), "dp", devices=jax.devices()[:1], n_steps=3)
+    state, got = _train(biased, *EP_MESHES["expert2_fsdp2_tensor2"], n_steps=3)
+    for g, w in zip(got, ref):
+        for k in w:
+            np.testing.assert_allclose(g[k], w[k], rtol=2e-5, atol=1e-7, err_msg=k)
+    want = flat(ref_state.params)
+    bias = np.asarray(want["blocks/mlp/router_bias_E"])
+    # each entry an odd multiple of the rate: three steps of +-rate (an expert exactly at an even share holds still)
+    assert bias.shape == (2, 8) and (np.abs(bias) > 0.002).mean() > 0.5, bias
+    for path, leaf in flat(state.params).items():
+        np.testing.assert_allclose(leaf, want[path], rtol=1e-5, atol=2e-6, err_msg=path)
+
+
 def test_without_an_expert_axis_each_device_sorts_only_its_own_token_slots():
     """Under jit alone the sort by expert would gather every slot of the batch onto every device (each then running
     the experts on all of them); routed per device, the compiled step's sorts see 1/8 of the slots."""

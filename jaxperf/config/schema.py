@@ -146,6 +146,13 @@ class ModelConfig:
     # (jax.lax.ragged_all_to_all: only the rows routed cross the links) instead of one block of the worst case per
     # device. None: true on TPU; false on CPU (XLA:CPU has no ragged all-to-all) and on GPU (not yet run on GPUs)
     ragged_all_to_all: bool | None = None
+    # Loss-free load balancing (DeepSeek-V3; MaxText's routed_bias): a per-expert bias, a parameter
+    # `mlp.router_bias_E` of each MoE layer, added to the router's scores when the top k are chosen and never to the
+    # weights the chosen experts' outputs are summed with. With router_bias_update_rate > 0 the built-in optimizer
+    # moves it after every step by that rate against the sign of each expert's load over an even share (the busier
+    # an expert, the lower its bias); 0 keeps it as loaded (a checkpoint's own bias, frozen)
+    router_bias: bool = False
+    router_bias_update_rate: float = 0.0
     router_aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the train loss
     router_z_loss_coef: float = 0.001  # weight of the router z-loss (mean logsumexp(logits)^2)
 

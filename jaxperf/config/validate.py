@@ -130,7 +130,13 @@ def _validate_moe(r: ModelConfig) -> None:
             if value:
                 raise ConfigError(f"model.{key}={value} shapes shared experts, and model.n_shared_experts=0: set "
                                   f"n_shared_experts >= 1, or clear {key}")
+    if r.router_bias_update_rate and not r.router_bias:
+        raise ConfigError(f"model.router_bias_update_rate={r.router_bias_update_rate} moves a router bias, and "
+                          f"model.router_bias=false: set router_bias=true, or router_bias_update_rate=0")
     if not r.n_experts:
+        if r.router_bias:
+            raise ConfigError("model.router_bias=true biases the choice of experts, and model.n_experts=0: set "
+                              "n_experts, or router_bias=false")
         if r.n_shared_experts:
             raise ConfigError(f"model.n_shared_experts={r.n_shared_experts} needs model.n_experts > 0 (shared experts "
                               f"sit beside routed ones): set n_experts, or widen model.mlp_dim for a dense MLP")
@@ -357,6 +363,7 @@ RANGES = {
     "model.moe_every": (_at_least(1), "every Nth layer is MoE"),
     "model.moe_mlp_dim": (_at_least(1), "one expert's hidden width; none = mlp_dim"),
     "model.capacity_factor": (_at_least(0), "expert capacity over an even share; 0 or none = dropless"),
+    "model.router_bias_update_rate": (_at_least(0), "step of the loss-free balancing bias per update; 0 = frozen"),
     "model.router_aux_loss_coef": (_at_least(0), "weight of the load-balancing loss"),
     "model.router_z_loss_coef": (_at_least(0), "weight of the router z-loss"),
     "model.rope_theta": (_positive, "RoPE base"),

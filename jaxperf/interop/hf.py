@@ -726,9 +726,9 @@ def _export_check(cfg: ModelConfig, arch: str) -> None:
                  "qkv_bias": True},
         "llama": {**llama, "qkv_bias": cfg.use_bias},  # attention_bias: q, k, v and o, or none
         "mixtral": {**llama, "use_bias": False, "qkv_bias": False, "router": "softmax", "router_norm_topk": True,
-                    "moe_every": 1, "n_shared_experts": 0},
+                    "moe_every": 1, "n_shared_experts": 0, "router_bias": False},
         "qwen2": qwen2,
-        "qwen2_moe": {**qwen2, "router": "softmax", "moe_every": 1, "shared_expert_gate": True},
+        "qwen2_moe": {**qwen2, "router": "softmax", "moe_every": 1, "shared_expert_gate": True, "router_bias": False},
     }[arch]
     if arch in MOE_ARCHS and not cfg.n_experts:
         raise HFCheckpointError(f"cannot export a dense model (model.n_experts=0) as {SUPPORTED[arch]}: export it as "

@@ -138,7 +138,7 @@ class GPT(nnx.Module):
         return self.final_norm(x_BxLxD)
 
     def pop_moe_stats(self) -> dict[str, jax.Array]:
-        """The MoE router statistics of the last `hidden` (aux_loss, z_loss, dropped: means over the MoE layers),
+        """The MoE router statistics of the last `hidden` (`moe.STATS`: means over the MoE layers),
         removed from the module so they never become model state; {} for a dense model or before any forward."""
         if not hasattr(self, "moe_stats"):
             return {}
@@ -212,8 +212,10 @@ class GPT(nnx.Module):
         """Masked next-token cross-entropy (fp32): (mean over unmasked tokens, {"weight": unmasked tokens}).
 
         An MoE model (`n_experts > 0`) adds `router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss` to the
-        mean and reports its router statistics as aux["metrics"] (moe_aux_loss, moe_z_loss, moe_dropped_fraction),
-        which the train step adds to its metrics.
+        mean (and the router bias's signal, zero but for its gradient: `jaxperf.models.moe.bias_signal`) and reports
+        its router statistics as aux["metrics"] (moe_aux_loss, moe_z_loss, moe_dropped_fraction, moe_max_load: the
+        busiest expert's slots over an even share, averaged over the MoE layers), which the train step adds to its
+        metrics.
 
         With `loss_impl="pallas"` the output projection and the softmax are fused in one kernel that never builds the
         [tokens, vocab] logits; "chunked" does the same in plain JAX over chunks of tokens; "xla" materialises the
@@ -229,9 +231,10 @@ class GPT(nnx.Module):
         if stats:
             # An MoE model trains on the cross-entropy plus its router losses; each is reported as a step metric.
             cfg = self.cfg
-            mean = mean + cfg.router_aux_loss_coef * stats["aux_loss"] + cfg.router_z_loss_coef * stats["z_loss"]
+            mean = (mean + cfg.router_aux_loss_coef * stats["aux_loss"] + cfg.router_z_loss_coef * stats["z_loss"]
+                    + stats["bias_signal"])
             aux["metrics"] = {"moe_aux_loss": stats["aux_loss"], "moe_z_loss": stats["z_loss"],
-                              "moe_dropped_fraction": stats["dropped"]}
+                              "moe_dropped_fraction": stats["dropped"], "moe_max_load": stats["max_load"]}
         return mean, aux
 
 

@@ -1,7 +1,7 @@
 """A mixture-of-experts MLP: a router picks k of E expert MLPs for every token (docs/moe.md).
 
     moe = MoE(ModelConfig(n_experts=8, experts_per_token=2), rngs=nnx.Rngs(0))
-    y_BxLxD, stats = moe(x_BxLxD)     # stats: aux_loss, z_loss, dropped (fp32 scalars of this layer)
+    y_BxLxD, stats = moe(x_BxLxD)     # stats: STATS, fp32 scalars of this layer
 
 The router is a [D, E] matmul in fp32. Routing (`route`): "softmax" takes the softmax over all experts, keeps the top
 k and renormalises their weights to sum to 1 (Mixtral); "sigmoid" keeps the top k of independent sigmoid scores,
@@ -13,6 +13,9 @@ to run the experts:
   capacity (capacity_factor > 0)        each expert takes at most C = ceil(capacity_factor * T * k / E) slots into a
                                         dense [E, C, D] buffer; the slots past C are dropped (their MoE output is zero,
                                         the residual carries the token) and counted
+
+With `router_bias` (loss-free balancing, DeepSeek-V3) a per-expert bias joins the scores where the top k are chosen;
+the step's loads reach it as its gradient (`bias_signal`) and the optimizer moves it by their sign.
 
 Expert weights are stacked arrays with a leading `expert` axis (`w_in_ExDxF`...). On a mesh with an `expert` axis
 (`parallel.expert` > 1) the rule tables split them over it and the step installs `hooks.experts`: each device then
@@ -52,7 +55,10 @@ from jaxperf.models.registry import implementation, register
 from jaxperf.parallel import expert as ep
 from jaxperf.parallel.rules import activation_spec, param_spec
 
-STATS = ("aux_loss", "z_loss", "dropped")  # what every MoE layer reports, each an fp32 scalar
+# What every MoE layer reports, each an fp32 scalar: the two router losses, the share of slots dropped, the busiest
+# expert's slots over an even share (1 = balanced), and the router bias's signal (`bias_signal`: zero, for its
+# gradient alone)
+STATS = ("aux_loss", "z_loss", "dropped", "max_load", "bias_signal")
 # logical axes of the expert weights (w_in, w_gate, w_out, b_in, b_out) and of the router
 _WEIGHT_AXES = (("expert", "embed", "mlp"), ("expert", "embed", "mlp"), ("expert", "mlp", "embed"), ("expert", "mlp"),
                 ("expert", "embed"))
@@ -88,24 +94,30 @@ def capacity(tokens: int, k: int, n_experts: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * k / n_experts))
 
 
-def route(logits_TxE: jax.Array, k: int, router: str,
-          norm_topk: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+def route(logits_TxE: jax.Array, k: int, router: str, norm_topk: bool = True,
+          bias_E: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(weights [T, K] fp32, experts [T, K] int32, probs [T, E] fp32) from router logits.
 
     `probs` are the per-expert scores the load-balancing loss averages: the softmax for "softmax", the sigmoid scores
     normalised over all E experts for "sigmoid". With `norm_topk` (both routers' default) the k kept weights are
-    renormalised to sum to 1 per token; without, they are the kept scores themselves (Qwen2-MoE).
+    renormalised to sum to 1 per token; without, they are the kept scores themselves (Qwen2-MoE). `bias_E` (loss-free
+    balancing, `model.router_bias`) is added to the scores (softmax probabilities, or sigmoid scores) where the top k
+    are chosen, and to nothing else: the weights are the chosen experts' own scores, and no gradient reaches the bias
+    through the choice.
     """
     logits = logits_TxE.astype(jnp.float32)
     if router == "softmax":
-        probs = jax.nn.softmax(logits, axis=-1)
-        top_TxK, experts_TxK = jax.lax.top_k(probs, k)
+        scores = probs = jax.nn.softmax(logits, axis=-1)
     elif router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
-        top_TxK, experts_TxK = jax.lax.top_k(scores, k)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         raise ValueError(f"unknown router {router!r}; expected 'softmax' or 'sigmoid'")
+    if bias_E is None:
+        top_TxK, experts_TxK = jax.lax.top_k(scores, k)
+    else:
+        _, experts_TxK = jax.lax.top_k(scores + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :], k)
+        top_TxK = jnp.take_along_axis(scores, experts_TxK, axis=-1)
     weights_TxK = top_TxK / jnp.sum(top_TxK, axis=-1, keepdims=True) if norm_topk else top_TxK
     return weights_TxK, experts_TxK.astype(jnp.int32), probs
 
@@ -114,14 +126,28 @@ def _identity(v):
     return v
 
 
+def slot_shares(experts_TxK: jax.Array, n_experts: int) -> jax.Array:
+    """f [E] fp32: the share of the T * K token slots routed to each expert (sums to 1; 1 / E each when even)."""
+    return jnp.sum(jax.nn.one_hot(experts_TxK, n_experts, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
+
+
 def load_balancing_loss(probs_TxE: jax.Array, experts_TxK: jax.Array, mean=_identity) -> jax.Array:
     """E * sum_e f_e * P_e (Switch Transformer): f_e the share of the T * K token slots routed to expert e, P_e the
     mean router probability of e. 1 when routing is uniform, E when every token goes to one expert (with all its
     probability); only P carries a gradient. `mean` averages f and P over the devices that split the tokens."""
     E = probs_TxE.shape[-1]
-    f_E = jnp.sum(jax.nn.one_hot(experts_TxK, E, dtype=jnp.float32), axis=(0, 1)) / experts_TxK.size
     p_E = jnp.mean(probs_TxE.astype(jnp.float32), axis=0)
-    return E * jnp.sum(mean(f_E) * mean(p_E))
+    return E * jnp.sum(mean(slot_shares(experts_TxK, E)) * mean(p_E))
+
+
+def bias_signal(bias_E: jax.Array, f_E: jax.Array) -> jax.Array:
+    """Zero, whose gradient with respect to `bias_E` is f_E - 1 / E: each expert's share of the slots over an even
+    share. Added to the loss (`GPT.next_token_loss`), it hands the router bias the loads of the step as its gradient,
+    through every path a gradient takes (microbatches, data parallelism, loss scaling), to an update that uses only
+    the gradient's sign (`jaxperf.step.optimizer.with_router_bias`), so the positive factors on the way do not
+    matter."""
+    s = jnp.sum(bias_E.astype(jnp.float32) * jax.lax.stop_gradient(f_E - 1.0 / f_E.shape[-1]))
+    return s - jax.lax.stop_gradient(s)
 
 
 def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
@@ -130,18 +156,21 @@ def router_z_loss(logits_TxE: jax.Array) -> jax.Array:
     return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)))
 
 
-def _routed(x_BxLxD, router_DxE, k: int, router: str, norm_topk: bool = True):
+def _routed(x_BxLxD, router_DxE, k: int, router: str, norm_topk: bool = True, bias_E=None):
     """(x [T, D], router logits [T, E] fp32, weights [T, K], experts [T, K], probs [T, E]) of a batch's tokens."""
     x_TxD = x_BxLxD.reshape(-1, x_BxLxD.shape[-1])
     logits_TxE = x_TxD.astype(jnp.float32) @ router_DxE.astype(jnp.float32)
-    return (x_TxD, logits_TxE, *route(logits_TxE, k, router, norm_topk))
+    return (x_TxD, logits_TxE, *route(logits_TxE, k, router, norm_topk, bias_E))
 
 
-def _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean=_identity) -> dict[str, jax.Array]:
+def _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean=_identity, bias_E=None) -> dict[str, jax.Array]:
     """The layer's router statistics (STATS); `mean` averages over the devices that split the tokens (each holds
     as many)."""
+    E = probs_TxE.shape[-1]
+    f_E = mean(slot_shares(experts_TxK, E))
+    signal = jnp.zeros((), jnp.float32) if bias_E is None else bias_signal(bias_E, f_E)
     return {"aux_loss": load_balancing_loss(probs_TxE, experts_TxK, mean), "z_loss": mean(router_z_loss(logits_TxE)),
-            "dropped": mean(dropped)}
+            "dropped": mean(dropped), "max_load": E * jnp.max(f_E), "bias_signal": signal}
 
 
 def _tag_hidden(h, gate):
@@ -162,9 +191,9 @@ def _activate(h, gate, act: str):
 class MoE(nnx.Module):
     """The MoE MLP of one layer; `__call__` returns (y [B, L, D], {aux_loss, z_loss, dropped}).
 
-    Its parameters are checkpoint keys: `router_DxE`; `w_in_ExDxF`, `w_gate_ExDxF` (SwiGLU), `w_out_ExFxD` and, with
-    biases, `bias_in_ExF`, `bias_out_ExD`; `shared` (a `MLP`, `shared_mlp_dim` wide) with shared experts and
-    `shared_gate_Dx1` with their sigmoid gate.
+    Its parameters are checkpoint keys: `router_DxE` (and `router_bias_E` with `model.router_bias`); `w_in_ExDxF`,
+    `w_gate_ExDxF` (SwiGLU), `w_out_ExFxD` and, with biases, `bias_in_ExF`, `bias_out_ExD`; `shared` (a `MLP`,
+    `shared_mlp_dim` wide) with shared experts and `shared_gate_Dx1` with their sigmoid gate.
     """
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
@@ -181,6 +210,9 @@ class MoE(nnx.Module):
         self.ragged = bool(cfg.ragged_all_to_all)  # dropless expert parallelism only (jaxperf.parallel.expert)
         w_in, w_out, b_in, b_out = _WEIGHT_AXES[0], _WEIGHT_AXES[2], _WEIGHT_AXES[3], _WEIGHT_AXES[4]
         self.router_DxE = _param(rngs, init, (D, E), _ROUTER_AXES, pd)
+        # loss-free balancing's bias (route): fp32 whatever param_dtype, as its steps are small; zeros drawn from no
+        # key, so a model with it starts with the same other parameters as one without
+        self.router_bias_E = _zero_param((E,), (None,), jnp.float32) if cfg.router_bias else None
         self.w_in_ExDxF = _param(rngs, init, (E, D, F), w_in, pd)
         self.w_gate_ExDxF = _param(rngs, init, (E, D, F), w_in, pd) if self.act == "swiglu" else None
         self.w_out_ExFxD = _param(rngs, out_init, (E, F, D), w_out, pd)
@@ -214,14 +246,18 @@ class MoE(nnx.Module):
             if self.shared is not None:
                 y_BxLxD = y_BxLxD + self._shared(x_BxLxD, hooks)
             return checkpoint_name(y_BxLxD, "mlpwo"), stats
+        bias_E = self._bias()
         x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, self.router_DxE[...], self.k,
-                                                                          self.router, self.norm_topk)
+                                                                          self.router, self.norm_topk, bias_E)
         y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, self._weights(x_TxD.dtype),
                                       self.capacity_factor, self.act, self._grouped_matmul(x_TxD), self.gather_rows)
         y_BxLxD = y_TxD.reshape(x_BxLxD.shape)
         if self.shared is not None:
             y_BxLxD = y_BxLxD + self._shared(x_BxLxD, hooks)
-        return checkpoint_name(y_BxLxD, "mlpwo"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped)
+        return checkpoint_name(y_BxLxD, "mlpwo"), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, bias_E=bias_E)
+
+    def _bias(self) -> jax.Array | None:
+        return None if self.router_bias_E is None else self.router_bias_E[...]
 
     def _expert_parallel(self, x_BxLxD, mesh, axis: str):
         """The routed experts with their weights split over mesh axis `axis`: (y [B, L, D], stats), under shard_map
@@ -233,14 +269,15 @@ class MoE(nnx.Module):
         E = self.w_in_ExDxF.shape[0]
         gmm = self._grouped_matmul(x_BxLxD)
 
-        def routed(x_BxLxD, router_DxE, weights, gmm=gmm):
+        def routed(x_BxLxD, router_DxE, bias_E, weights, gmm=gmm):
             x_TxD, logits_TxE, weights_TxK, experts_TxK, probs_TxE = _routed(x_BxLxD, router_DxE, k, router,
-                                                                              norm_topk)
+                                                                              norm_topk, bias_E)
             T, n = x_TxD.shape[0], jax.lax.axis_size(axis)
             mean = (lambda v: jax.lax.pmean(v, token_axes)) if token_axes else _identity  # noqa: E731
             if n == 1:  # no expert axis: this device's tokens through all the experts, without all-to-all
                 y_TxD, dropped = _run_experts(x_TxD, weights_TxK, experts_TxK, weights, factor, act, gmm, gather_rows)
-                return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
+                return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean,
+                                                            bias_E)
             cap = capacity(T, k, E, factor) if factor > 0 else None
             # capacity: every token's first choice before any token's second (as `_capacity` on one device)
             priority = jnp.arange(T * k).reshape(T, k).T.reshape(-1) if cap else None
@@ -252,7 +289,7 @@ class MoE(nnx.Module):
             y_TxD = jnp.einsum("tkd,tk->td", out_SxD.reshape(T, k, -1), weights_TxK.astype(out_SxD.dtype))
             # the router losses of the whole batch
             dropped = 1.0 - jnp.mean(plan.keep_S.astype(jnp.float32))
-            return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean)
+            return y_TxD.reshape(x_BxLxD.shape), _stats(probs_TxE, experts_TxK, logits_TxE, dropped, mean, bias_E)
 
         # The weights enter split as they lie over the token axes (FSDP's split) and are gathered inside, but for
         # the expert split: the gathers' transposes reduce-scatter the gradients, where weights taken in whole would
@@ -265,18 +302,26 @@ class MoE(nnx.Module):
         router_w = self.router_DxE[...]
         router_spec = spec(_ROUTER_AXES, router_w.shape)
 
-        def local(x_BxLxD, router_DxE, weights):
+        bias_E = self._bias()  # replicated: every device chooses with the whole bias
+
+        def local(x_BxLxD, router_DxE, bias_E, weights):
             whole = lambda w, spec: None if w is None else _gather_but(w, spec, axis)  # noqa: E731
             if factor > 0:
-                return routed(x_BxLxD, whole(router_DxE, router_spec), tuple(map(whole, weights, w_specs)))
+                return routed(x_BxLxD, whole(router_DxE, router_spec), bias_E, tuple(map(whole, weights, w_specs)))
             # dropless: each grouped matmul takes its weight split and gathers it where it runs (`_regathered`)
             matmuls = tuple(functools.partial(_regathered, gmm, spec, axis) for spec in w_specs[:3])
             biases = tuple(map(whole, weights[3:], w_specs[3:]))
-            return routed(x_BxLxD, whole(router_DxE, router_spec), (*weights[:3], *biases), matmuls)
+            return routed(x_BxLxD, whole(router_DxE, router_spec), bias_E, (*weights[:3], *biases), matmuls)
 
-        run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, router_spec, w_specs),
+        run = _compat.shard_map(local, mesh=_compat.context_mesh(mesh), in_specs=(x_spec, router_spec, P(), w_specs),
                                 out_specs=(x_spec, P()))
-        return run(x_BxLxD, router_w, weights)
+        return run(x_BxLxD, router_w, bias_E, weights)
+
+
+def _zero_param(shape, axes, dtype) -> nnx.Param:
+    """A parameter of zeros annotated with logical axes, drawing nothing from the model's random keys."""
+    with _compat.no_eager_sharding():
+        return nnx.Param(nnx.with_partitioning(_zeros, axes)(None, shape, dtype))
 
 
 def _only(spec: P, axes: set[str]) -> P:

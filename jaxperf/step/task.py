@@ -40,7 +40,7 @@ from jaxperf.parallel.rules import Rules, activation_sharding, get_rules, logica
 from jaxperf.perf.cpu_host import check_collective_order
 from jaxperf.parallel.sharding import batch_sharding, replicated, tree_shardings
 from jaxperf.step.health import HealthOptions, all_finite, init_health, is_spike, select, update_health
-from jaxperf.step.optimizer import make_optimizer
+from jaxperf.step.optimizer import make_optimizer, without_router_bias
 
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -70,7 +70,8 @@ def finish_step(tx, opts: HealthOptions, state: TrainState, grads, loss, tokens,
 
     `grads` and `loss` are the final (averaged, unscaled) values and `tokens` the batch weight; the jit step calls it
     on global arrays, the explicit-collective steps (jaxperf.explicit.flavours) on per-device values that are already
-    reduced. Returns (new TrainState, metrics).
+    reduced. Returns (new TrainState, metrics); `grad_norm` leaves out the MoE router biases' load signals, which
+    are not gradients of the loss (jaxperf.step.optimizer.with_router_bias).
     """
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -84,7 +85,7 @@ def finish_step(tx, opts: HealthOptions, state: TrainState, grads, loss, tokens,
     health = update_health(state.health, ok=ok, finite=finite, loss=loss, opts=opts)
     metrics = {
         "loss": loss,
-        "grad_norm": _global_norm(grads),
+        "grad_norm": _global_norm(without_router_bias(grads)),
         "tokens": tokens,
         "skipped": jnp.logical_not(ok).astype(jnp.int32),
         "consecutive_skips": health["consecutive"],
@@ -418,7 +419,9 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
       loss_fn: `(model, batch) -> (mean_loss, aux)`; default: the GPT's own loss for the built-in model (which may
         fuse the output projection with the softmax), masked next-token cross-entropy from logits otherwise.
       tx: any optax transformation; default: AdamW with warm-up, cosine decay and clipping from cfg.optim (weight
-        decay only on matrices), whose schedule is reported as metrics["lr"].
+        decay only on matrices), whose schedule is reported as metrics["lr"], and with `model.router_bias` the
+        router biases moved by `model.router_bias_update_rate` (jaxperf.step.optimizer.with_router_bias; a `tx` of
+        your own gets their load signals as gradients: wrap it in `with_router_bias` to balance the same way).
       with_optimizer: False builds a Task for inference (restoring or serving parameters): no optimizer is made.
     """
     rules = get_rules(cfg.parallel.strategy, mesh, sequence_parallel=cfg.parallel.sequence_parallel)
@@ -443,5 +446,7 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
     task = task.replace(compiler_options=_compiler_options(cfg, mesh))
     schedule = None
     if tx is None:
-        tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(task.param_axes, task.abstract_params))
+        rate = cfg.model.router_bias_update_rate if cfg.model.router_bias else None
+        tx, schedule = make_optimizer(cfg.optim, cfg.max_steps, decay_mask(task.param_axes, task.abstract_params),
+                                      router_bias_rate=rate)
     return task.replace(tx=tx, schedule=schedule)
