@@ -371,8 +371,9 @@ def test_the_tpu_memory_estimate_counts_the_routed_layer_and_the_expert_weights(
     dense = estimate(get_config("tiny", base), 4, platform="tpu")
     # FSDP's gathered layers in bf16: two of everything (the running layer and the next one's gather) but the
     # experts, held once (8 experts of 2 x 128 x 256), and dropless, where each grouped matmul gathers its own
-    # weight, only the largest of them (8 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8
-    others = 2 * 128 * 8 - 2 * 2 * 128 * 512
+    # weight, only the largest of them (8 x 128 x 256); a dense layer's MLP is 2 x 128 x 512, the router 128 x 8 and
+    # its balancing bias 8
+    others = 2 * (128 * 8 + 8) - 2 * 2 * 128 * 512
     assert roomy.gathered - dense.gathered == (8 * 2 * 128 * 256 + others) * 2
     assert dropless.gathered - dense.gathered == (8 * 128 * 256 + others) * 2
     for platform in ("cpu", "gpu"):
