@@ -319,6 +319,20 @@ def _diff(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
+def _bias_hint(missing: list[str], extra: list[str]) -> str:
+    """The fix when the MoE router bias (model.router_bias) is all that differs, e.g. a moe-tiny run saved before
+    the preset turned it on."""
+    def biases(names):
+        return bool(names) and all(n.endswith("router_bias_E']") for n in names)
+
+    if biases(missing) and not extra:
+        return ("; the checkpoint was saved without a router bias: resume it with model.router_bias=false "
+                "model.router_bias_update_rate=0, or start_over=true")
+    if biases(extra) and not missing:
+        return "; the checkpoint was saved with a router bias: resume it with model.router_bias=true"
+    return ""
+
+
 class Checkpointer:
     """Orbax CheckpointManager wrapper: async save, atomic commit, retention, restore with target shardings.
 
@@ -545,7 +559,7 @@ class Checkpointer:
         if missing or extra:
             raise IncompatibleCheckpointError(
                 f"checkpoint {self._step_dir(step)} does not match the target (a checkpoint of another model?): "
-                f"not in checkpoint: {_diff(missing)}; not in target: {_diff(extra)}"
+                f"not in checkpoint: {_diff(missing)}; not in target: {_diff(extra)}{_bias_hint(missing, extra)}"
             )
         wrong = [f"{n}: saved {tuple(saved[n][2].shape)}, target {tuple(np.shape(leaf))}"
                  for n, leaf in flat_target.items()

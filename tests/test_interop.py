@@ -271,6 +271,21 @@ def test_mixtral_roundtrip(tmp_path):
     _reloads_as_the_source(torch, transformers, dst, hf_model, tokens, ref, source)
 
 
+def test_mixtral_imports_with_a_zero_router_bias_to_fine_tune_balanced(tmp_path):
+    """init_from a Mixtral with loss-free balancing: the bias starts at zero, so the model is transformers' to the
+    logit; once it holds a bias the model no longer exports as Mixtral."""
+    torch, transformers = _hf()
+    hf_model = _mixtral(torch, transformers)
+    hf_model.save_pretrained(tmp_path / "src")
+    tokens = _tokens()
+    biased = _jaxperf_logits(tmp_path / "src", tokens, router_bias=True, router_bias_update_rate=0.001)
+    np.testing.assert_allclose(biased, _hf_logits(torch, hf_model, tokens), atol=1e-5, rtol=1e-5)
+    cfg, params = import_hf(str(tmp_path / "src"), router_bias=True)
+    np.testing.assert_array_equal(params["blocks"]["mlp"]["router_bias_E"], np.zeros((2, 4), np.float32))
+    with pytest.raises(HFCheckpointError, match="no Hugging Face format jaxperf writes holds a routing bias"):
+        export_hf(cfg, params, str(tmp_path / "dst"))
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_fused_expert_layout_imports_to_the_same_logits(tmp_path, arch):
     """transformers 5's own modules hold the experts fused (mlp.experts.gate_up_proj [E, 2F, D], gate rows first;

@@ -165,6 +165,27 @@ def test_the_biased_routing_reaches_the_kv_cache_forward():
     np.testing.assert_allclose(cached, full, rtol=1e-5, atol=1e-5)
 
 
+def test_a_checkpoint_without_the_bias_is_refused_with_the_fix(tmp_path):
+    from jaxperf.checkpoint import Checkpointer, IncompatibleCheckpointError
+
+    plain = make_task(SMALL, ONE, devices=jax.devices()[:1])
+    biased = make_task(dataclasses.replace(SMALL, router_bias=True), ONE, devices=jax.devices()[:1])
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"params": plain.init_state().params})
+        ckpt.wait()
+        with pytest.raises(IncompatibleCheckpointError, match=r"saved without a router bias: resume it with "
+                                                              r"model.router_bias=false"):
+            ckpt.restore(1, {"params": biased.abstract_params_sharded()})
+
+
+def test_a_loss_of_your_own_is_warned_that_it_must_carry_the_bias_signal():
+    from jaxperf.step.task import next_token_loss
+
+    biased = dataclasses.replace(SMALL, router_bias=True, router_bias_update_rate=0.01)
+    with pytest.warns(UserWarning, match="moves the router biases by the signal the loss adds"):
+        make_task(biased, ONE, devices=jax.devices()[:1], loss_fn=next_token_loss)
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["n_experts=4", "router_bias_update_rate=0.001"],
      r"model.router_bias_update_rate=0.001 moves a router bias, and model.router_bias=false: set router_bias=true"),
@@ -185,6 +206,7 @@ def test_export_refuses_a_router_bias_the_format_cannot_hold(arch, tmp_path):
     cfg = ModelConfig(style="llama", n_experts=4, use_bias=False, router_bias=True,
                       n_shared_experts=1 if arch == "qwen2_moe" else 0, qkv_bias=arch == "qwen2_moe",
                       shared_expert_gate=arch == "qwen2_moe").resolved()
-    with pytest.raises(HFCheckpointError, match=r"cannot export model.router_bias=True as .*router_bias=False"):
+    with pytest.raises(HFCheckpointError, match=r"cannot export model.router_bias=true as .*no Hugging Face format "
+                                                r".* holds a routing bias"):
         _export_check(cfg, arch)
     _export_check(dataclasses.replace(cfg, router_bias=False), arch)

@@ -70,9 +70,11 @@ from jaxperf.step.task import Task
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
              "qwen2": "Qwen2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 MOE_ARCHS = ("mixtral", "qwen2_moe")
-# ModelConfig fields that change how the model runs but not what it computes: safe to override on import.
+# ModelConfig fields that change how the model runs but not what it computes: safe to override on import. A router
+# bias (loss-free balancing, for fine-tuning an MoE checkpoint with it) starts at zero, which routes as the checkpoint
+# does; its update rate is the optimizer's.
 RUNTIME_FIELDS = ("dtype", "param_dtype", "scan_layers", "scan_unroll", "remat", "attention_impl", "norm_impl",
-                  "loss_impl", "matmul_grad_barrier", "init_std")
+                  "loss_impl", "matmul_grad_barrier", "init_std", "router_bias", "router_bias_update_rate")
 GPT2_ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}  # HF name -> mlp_act
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -726,9 +728,9 @@ def _export_check(cfg: ModelConfig, arch: str) -> None:
                  "qkv_bias": True},
         "llama": {**llama, "qkv_bias": cfg.use_bias},  # attention_bias: q, k, v and o, or none
         "mixtral": {**llama, "use_bias": False, "qkv_bias": False, "router": "softmax", "router_norm_topk": True,
-                    "moe_every": 1, "n_shared_experts": 0, "router_bias": False},
+                    "moe_every": 1, "n_shared_experts": 0},
         "qwen2": qwen2,
-        "qwen2_moe": {**qwen2, "router": "softmax", "moe_every": 1, "shared_expert_gate": True, "router_bias": False},
+        "qwen2_moe": {**qwen2, "router": "softmax", "moe_every": 1, "shared_expert_gate": True},
     }[arch]
     if arch in MOE_ARCHS and not cfg.n_experts:
         raise HFCheckpointError(f"cannot export a dense model (model.n_experts=0) as {SUPPORTED[arch]}: export it as "
@@ -736,6 +738,11 @@ def _export_check(cfg: ModelConfig, arch: str) -> None:
     if arch not in MOE_ARCHS and cfg.n_experts:
         raise HFCheckpointError(f"cannot export a mixture-of-experts model (model.n_experts={cfg.n_experts}) as "
                                 f"{SUPPORTED[arch]}: export it as {' or '.join(map(repr, MOE_ARCHS))}")
+    if cfg.router_bias:
+        raise HFCheckpointError(f"cannot export model.router_bias=true as {SUPPORTED[arch]}: no Hugging Face format "
+                                f"jaxperf writes holds a routing bias, and without it the tokens would take other "
+                                f"experts; keep the run in jaxperf's format (generate and serve read it), or train "
+                                f"with model.router_bias=false to export")
     if arch == "qwen2_moe" and not cfg.n_shared_experts:
         raise HFCheckpointError("cannot export model.n_shared_experts=0 as Qwen2MoeForCausalLM, whose layers each "
                                 "have a gated shared expert: export it as 'mixtral'")

@@ -16,6 +16,7 @@ is rebuilt from it inside the trace with `nnx.merge`, which costs nothing at run
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -438,6 +439,10 @@ def build_task(cfg: TrainConfig, mesh: Mesh, make_model: Callable[[nnx.Rngs], nn
     if make_model is None:
         model_cfg = settle(cfg, dict(mesh.shape), platform_of(mesh))
         make_model = lambda rngs: GPT(model_cfg, rngs=rngs)  # noqa: E731
+        if loss_fn is not None and cfg.model.router_bias and cfg.model.router_bias_update_rate:
+            warnings.warn("model.router_bias_update_rate moves the router biases by the signal the loss adds (the MoE "
+                          "stats' bias_signal, as GPT.next_token_loss adds it); a loss of your own that leaves it out "
+                          "leaves the biases where they are", stacklevel=2)
         loss_fn = loss_fn or gpt_loss
     task = Task.create(make_model, mesh, rules, seed=cfg.seed, health=HealthOptions.from_config(cfg),
                        loss_fn=loss_fn).replace(hooks=hooks)

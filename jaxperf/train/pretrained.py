@@ -46,7 +46,7 @@ from jaxperf.step.task import Task, TrainState, build_task
 from jaxperf.checkpoint import Checkpointer
 
 # Model fields a run's own checkpoint fixes beyond the Hugging Face ones: the saved tree has their layout and dtype.
-_RUN_FIXED = ("scan_layers", "param_dtype")
+_RUN_FIXED = ("scan_layers", "param_dtype", "router_bias")  # a jaxperf run's checkpoint holds its bias, or none
 
 
 def checkpoint_kind(path: str | Path) -> str:
