@@ -16,7 +16,9 @@ of logits at a time and recompute it in the backward instead of saving it:
   [D, block] dw accumulator (`BlockSizes.chunk_v`). It compiles well on every backend and is what "auto" picks.
   Inside shard_map it takes w as a shard of rows (FSDP's split, `w_axes`): forward and backward then walk the same
   vocabulary blocks, each all-gathered when its turn comes and its dw reduce-scattered when done, so the whole w is
-  never gathered on one device.
+  never gathered on one device. With `keep_gathered` the forward of a differentiated call gathers w whole once and
+  keeps it for the backward, which then walks its blocks without gathering them again: one all-gather of w a step
+  instead of two, for a whole w held from the forward to the backward.
 
 Reductions: on TPU the reduced axis (vocab in the forward and dh, rows in dw) is a sequential ("arbitrary") grid
 axis whose output block stays resident and accumulates, so a tile of w or h is all that sits in VMEM. Triton has no
@@ -98,6 +100,8 @@ class _Config:
     interpret: object  # bool, or pltpu.InterpretParams (the TPU interpreter)
     backend: str
     w_axes: tuple[str, ...] = ()  # mesh axes w's rows are split over (inside shard_map); () for a whole w
+    # with w_axes, "xla": a differentiated call gathers w whole once and keeps it for the backward (`_fused_fwd`)
+    keep_gathered: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -285,11 +289,11 @@ def _chunks(cfg: _Config, x):
     return x.reshape((cfg.rows_pad // chunk, chunk) + x.shape[1:])
 
 
-def _w_block(cfg: _Config, w, col0, width: int):
+def _w_block(cfg: _Config, w, col0, width: int, whole: bool = False):
     """Columns [col0, col0 + width) of w, every row of them: gathered over `cfg.w_axes` when w is this device's shard
-    of the rows, so no more than one block of the whole w is ever live."""
+    of the rows, so no more than one block of the whole w is ever live; `whole`: w is gathered already."""
     block = lax.dynamic_slice_in_dim(w, col0, width, axis=1)
-    return lax.all_gather(block, cfg.w_axes, axis=0, tiled=True) if cfg.w_axes else block
+    return lax.all_gather(block, cfg.w_axes, axis=0, tiled=True) if cfg.w_axes and not whole else block
 
 
 def _dw_shard(cfg: _Config, dw_block):
@@ -300,17 +304,18 @@ def _dw_shard(cfg: _Config, dw_block):
     return lax.psum_scatter(dw_block, cfg.w_axes, scatter_dimension=0, tiled=True)
 
 
-def _fwd_xla(cfg: _Config, h, w, t):
+def _fwd_xla(cfg: _Config, h, w, t, whole: bool = False):
     """Per-row lse and target logit: a map over row chunks with a running max and sum per row, inside a loop over
     vocabulary blocks. With w whole the block is all of V (one [chunk, V] logits tile live); with w a shard of rows
-    it is the backward's block, so one gathered [D, block] block of w and one [chunk, block] tile are live."""
+    it is the backward's block, so one gathered [D, block] block of w and one [chunk, block] tile are live (`whole`:
+    a shard's w gathered whole already, walked by the same blocks)."""
     block = cfg.block_v if cfg.w_axes else cfg.vocab_pad
     xs = (_chunks(cfg, h), _chunks(cfg, t[:, 0]))
     shape = (cfg.rows_pad // cfg.block_n, cfg.block_n)
 
     def vocab_block(j, carry):
         col0 = j * block
-        w_blk = _w_block(cfg, w, col0, block)
+        w_blk = _w_block(cfg, w, col0, block, whole)
 
         def one(args):
             h_c, t_c, m_c, s_c, tl_c = args
@@ -339,7 +344,7 @@ def xla_vocab_block(V: int, widest: int) -> int:
     return V
 
 
-def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
+def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale, whole: bool = False):
     """dh (fp32) and dw (w's dtype), one vocabulary block of dw at a time.
 
     The outer loop walks the vocabulary blocks; the inner scan walks the row chunks, recomputing each [chunk, block]
@@ -347,7 +352,8 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
     [D, block], not [D, V] (2 GB for Llama-3's 128256 x 4096), and each element of dw is summed over the same row
     chunks in the same order as a whole-vocabulary accumulator would; dh adds up over the blocks in one fp32 [N, D]
     accumulator whose chunks are updated in place. With w a shard of rows (`cfg.w_axes`), each block is gathered on
-    its way in and its dw reduce-scattered on its way out.
+    its way in and its dw reduce-scattered on its way out; with `whole` (w gathered whole by the forward, kept for
+    the backward) only the reduce-scatter remains.
     """
     D, V = cfg.dim_pad, cfg.vocab_pad
     block = cfg.block_v
@@ -357,7 +363,7 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
     def vocab_block(j, carry):
         dh, dw = carry
         col0 = j * block
-        w_blk = _w_block(cfg, w, col0, block)
+        w_blk = _w_block(cfg, w, col0, block, whole)
 
         def step(acc, args):
             # dh is carried and each chunk's rows updated in place: a stacked [chunks, chunk, D] output added to dh
@@ -375,7 +381,9 @@ def _bwd_xla(cfg: _Config, h, w, t, lse, coef, scale):
         dw = lax.dynamic_update_slice_in_dim(dw, _dw_shard(cfg, dw_blk.astype(w.dtype)), col0, axis=1)
         return dh, dw
 
-    return lax.fori_loop(0, V // block, vocab_block, (jnp.zeros(h.shape, _F32), jnp.zeros(w.shape, w.dtype)))
+    dw_rows = w.shape[0] // _axes_size(cfg.w_axes) if whole else w.shape[0]  # dw is this device's shard of rows
+    return lax.fori_loop(0, V // block, vocab_block,
+                         (jnp.zeros(h.shape, _F32), jnp.zeros((dw_rows, w.shape[1]), w.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,8 +404,16 @@ def _fused(cfg: _Config, h, w, t, weight):
     return jnp.sum(_token_losses(cfg, lse, tl) * weight), jnp.sum(weight)
 
 
+def _kept(cfg: _Config) -> bool:
+    return cfg.keep_gathered and bool(cfg.w_axes) and cfg.engine == "xla"
+
+
 def _fused_fwd(cfg: _Config, h, w, t, weight):
-    lse, tl = _forward(cfg, h, w, t)
+    if _kept(cfg):  # one gather for both passes; the residual is the whole w
+        w = lax.all_gather(w, cfg.w_axes, axis=0, tiled=True)
+        lse, tl = _fwd_xla(cfg, h, w, t, whole=True)
+    else:
+        lse, tl = _forward(cfg, h, w, t)
     loss = _token_losses(cfg, lse, tl)
     return (jnp.sum(loss * weight), jnp.sum(weight)), (h, w, t, weight, lse, loss)
 
@@ -408,7 +424,10 @@ def _fused_bwd(cfg: _Config, residuals, cotangents):
     coef = (ct_sum * weight)[:, None]
     scale = coef * (1.0 + 2.0 * cfg.z_loss * lse[:, None])
     args = (h, w, t, lse[:, None], coef, scale)
-    dh, dw = (_bwd_pallas if cfg.engine == "pallas" else _bwd_xla)(cfg, *args)
+    if _kept(cfg):
+        dh, dw = _bwd_xla(cfg, *args, whole=True)
+    else:
+        dh, dw = (_bwd_pallas if cfg.engine == "pallas" else _bwd_xla)(cfg, *args)
     d_weight = ct_sum * loss + ct_count
     return dh.astype(h.dtype), dw.astype(w.dtype), None, d_weight
 
@@ -564,6 +583,7 @@ def linear_cross_entropy(
     interpret: bool | None = None,
     backend: str | None = None,
     w_axes: str | tuple[str, ...] = (),
+    keep_gathered: bool = False,
 ):
     """Masked softmax cross-entropy of logits = h @ w without materialising them; same contract as the reference.
 
@@ -583,6 +603,8 @@ def linear_cross_entropy(
       w_axes: inside shard_map, the mesh axes w's rows are split over (FSDP); w_DxV is then this device's
         [D / n, V] shard and dw comes back as the same shard, summed over those axes. "xla" gathers one vocabulary
         block of w at a time, "pallas" and "reference" the whole of it up front.
+      keep_gathered: with `w_axes` and "xla": under differentiation the forward gathers w whole once and keeps it
+        for the backward (one all-gather of w instead of one per pass, for D x V of w live between the passes).
 
     Returns:
       (loss_sum, count): fp32 scalars, sum over tokens of mask * (lse - logit[target] + z_loss * lse**2) and
@@ -607,7 +629,7 @@ def linear_cross_entropy(
     V = w_DxV.shape[1]
     cfg = _fit(block_sizes or BlockSizes.get_default(backend), N, D, V, which, backend, interpret,
                itemsize=jnp.dtype(h_NxD.dtype).itemsize)
-    cfg = dataclasses.replace(cfg, z_loss=float(z_loss), w_axes=w_axes)
+    cfg = dataclasses.replace(cfg, z_loss=float(z_loss), w_axes=w_axes, keep_gathered=bool(keep_gathered))
     weight_N = jnp.ones((N,), _F32) if mask is None else mask.astype(_F32)
     h = _util.pad_axis(_util.pad_axis(h_NxD, 0, cfg.rows_pad), 1, cfg.dim_pad)
     w = w_DxV if w_axes else _util.pad_axis(_util.pad_axis(w_DxV, 0, cfg.dim_pad), 1, cfg.vocab_pad)

@@ -117,6 +117,19 @@ def test_mlp_weights_are_gathered_whole_on_tpu_from_4_mib_unless_set():
     assert plat.for_platform(get_config("tiny", ["model.gather_mlp_weights=true"]).model, "cpu").gather_mlp_weights
 
 
+def test_the_chunked_loss_gathers_its_output_weights_once_on_tpu_unless_set():
+    """On TPU the chunked loss under FSDP gathers the output weights whole once, for its forward and backward (the
+    one all-gather checked in tests/test_kernels_cross_entropy.py); elsewhere block by block in each pass; a set
+    value stays."""
+    cfg = get_config("llama-1b").model
+    assert cfg.loss_gather_once is None
+    assert plat.for_platform(cfg, "tpu").loss_gather_once is True
+    assert plat.for_platform(cfg, "cpu").loss_gather_once is False
+    assert plat.for_platform(cfg, "gpu").loss_gather_once is False
+    assert plat.for_platform(get_config("llama-1b", ["model.loss_gather_once=false"]).model, "tpu") \
+        .loss_gather_once is False
+
+
 def test_expert_parallelism_sends_ragged_on_tpu_and_cpu_refuses_it_in_one_line():
     """The ragged all-to-all is settled on for TPU only (no GPU run has checked it; asked for, a GPU takes it) and
     never for CPU, whose XLA has none: set there, an MoE config is refused before anything is traced; a dense model

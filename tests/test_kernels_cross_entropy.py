@@ -181,7 +181,7 @@ def test_xla_backward_accumulates_dw_one_vocab_block_at_a_time():
         f"accumulator ({accumulator / 2**20:.0f} MiB) is still whole")
 
 
-def _split_w_loss(impl, mesh, blocks):
+def _split_w_loss(impl, mesh, blocks, keep_gathered=False):
     """The mean loss with rows over (data, fsdp) and w's rows over fsdp (`w_axes`), as the model's FSDP loss runs."""
     from jax.sharding import PartitionSpec as P
 
@@ -190,7 +190,8 @@ def _split_w_loss(impl, mesh, blocks):
     rows = ("data", "fsdp")
 
     def per_shard(h, w, t, m):
-        total, count = linear_cross_entropy(h, w, t, m, impl=impl, block_sizes=blocks, w_axes="fsdp")
+        total, count = linear_cross_entropy(h, w, t, m, impl=impl, block_sizes=blocks, w_axes="fsdp",
+                                            keep_gathered=keep_gathered)
         return jax.lax.psum(total, rows), jax.lax.psum(count, rows)
 
     def loss(h, w, t, m):
@@ -201,18 +202,19 @@ def _split_w_loss(impl, mesh, blocks):
     return loss
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-def test_w_split_over_fsdp_matches_the_whole_w_and_is_gathered_a_block_at_a_time(impl):
+@pytest.mark.parametrize("impl,keep", [("xla", False), ("xla", True), ("pallas", False)])
+def test_w_split_over_fsdp_matches_the_whole_w_and_is_gathered_a_block_at_a_time(impl, keep):
     """8 devices, data=2 x fsdp=4, each holding a quarter of w's rows: loss, dh, dw and dmask equal the reference on the
     whole w. The chunked path gathers [D, block] slices of w and reduce-scatters [D, block] gradients, never [D, V];
-    the kernel gathers the whole w up front."""
+    with `keep_gathered` it gathers the whole w once, for both passes, and still reduce-scatters by blocks; the
+    kernel gathers the whole w up front."""
     from jaxperf import _compat
 
     N, D, V = 64, 32, 100
     mesh = _compat.make_mesh((2, 4), ("data", "fsdp"))
     h, w, t, mask = _inputs(N, D, V, jnp.float32, True, seed=3)
     blocks = BlockSizes(block_n=8, block_v=64, chunk_n=8, chunk_v=48)  # xla: 4 vocabulary blocks of 25
-    fn = jax.jit(jax.value_and_grad(_split_w_loss(impl, mesh, blocks), argnums=(0, 1, 3)))
+    fn = jax.jit(jax.value_and_grad(_split_w_loss(impl, mesh, blocks, keep), argnums=(0, 1, 3)))
     value, grads = fn(h, w, t, mask)
     ref_value, ref_grads = _value_and_grads(h, w, t, mask, impl="reference")
     _assert_close(value, ref_value, 1e-5, "loss")
@@ -221,9 +223,12 @@ def test_w_split_over_fsdp_matches_the_whole_w_and_is_gathered_a_block_at_a_time
         _assert_close(g, rg, 2e-5, name)
 
     hlo = fn.lower(h, w, t, mask).compile().as_text()
-    gathered = set(re.findall(r"= f32\[(\d+,\d+)\]\{[^}]*\} all-gather", hlo))
+    gathers = re.findall(r"= f32\[(\d+,\d+)\]\{[^}]*\} all-gather", hlo)
+    gathered = set(gathers)
     scattered = set(re.findall(r"= f32\[(\d+,\d+)\]\{[^}]*\} reduce-scatter", hlo))
-    if impl == "xla":
+    if impl == "xla" and keep:
+        assert gathers == [f"{D},{V}"] and scattered == {f"{D // 4},25"}, (gathers, scattered)
+    elif impl == "xla":
         assert gathered == {f"{D},25"} and scattered == {f"{D // 4},25"}, (gathered, scattered)
     else:
         assert f"{D},{V}" in gathered, gathered
@@ -275,7 +280,7 @@ def _fixed_batch(batch=8, seq=16, vocab=256, seed=0):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
 
 
-def _task(loss_impl):
+def _task(loss_impl, *overrides):
     from jaxperf.config import OptimConfig, ParallelConfig, get_config
     from jaxperf.models import GPT
     from jaxperf.parallel.mesh import make_mesh
@@ -284,7 +289,7 @@ def _task(loss_impl):
     from jaxperf.step.task import Task
 
     cfg = get_config("tiny", ["d_model=32", "n_layers=1", "n_heads=2", "max_seq_len=16",
-                              f"loss_impl={loss_impl}"]).model
+                              f"loss_impl={loss_impl}", *overrides]).model
     parallel = ParallelConfig(strategy="fsdp", fsdp=8)
     mesh = make_mesh(parallel, None)
     tx, schedule = make_optimizer(OptimConfig(lr=3e-3, warmup_steps=1), 10)
@@ -315,7 +320,8 @@ def _chunked_loss(model, batch):
 
 @pytest.mark.slow
 def test_tiny_gpt_trains_the_same_with_fused_losses(monkeypatch):
-    """3 steps under an 8-device FSDP mesh: loss_impl="pallas" and the chunked path match the logits path."""
+    """3 steps under an 8-device FSDP mesh: loss_impl="pallas" and the chunked path (its output weights gathered by
+    blocks, or whole once: `loss_gather_once`) match the logits path."""
     from jaxperf.models.gpt import gpt_loss as next_token_loss
 
     kernel_traces = []
@@ -325,11 +331,12 @@ def test_tiny_gpt_trains_the_same_with_fused_losses(monkeypatch):
     base_task, schedule = _task("auto")
     pallas_task, _ = _task("pallas")  # same parameters; only model.loss_impl differs
     chunked_task, _ = _task("chunked")
+    once_task, _ = _task("chunked", "loss_gather_once=true")
     state = base_task.init_state()
     base_losses, base_params = _train_three_steps(base_task, schedule, next_token_loss, state)
     assert not kernel_traces
     runs = {"pallas": (pallas_task, next_token_loss), "chunked": (base_task, _chunked_loss),
-            "chunked-config": (chunked_task, next_token_loss)}
+            "chunked-config": (chunked_task, next_token_loss), "chunked-gathered-once": (once_task, next_token_loss)}
     for name, (task, loss_fn) in runs.items():
         kernel_traces.clear()
         losses, params = _train_three_steps(task, schedule, loss_fn, state)

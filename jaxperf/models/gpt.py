@@ -274,7 +274,8 @@ def _fused_loss(impl: str):
         B, L, D = h_BxLxD.shape
         return kernels.linear_cross_entropy(
             h_BxLxD.reshape(B * L, D), model.output_weights().astype(h_BxLxD.dtype), batch["targets"].reshape(B * L),
-            mask_BxL.reshape(B * L), impl=impl, platform=platform)
+            mask_BxL.reshape(B * L), impl=impl, platform=platform,
+            gather_once=bool(model.cfg.loss_gather_once))
 
     return loss
 

@@ -107,14 +107,16 @@ def pallas_norm(x, scale, bias, *, kind: str, eps: float, residual=None, platfor
 # Fused linear + cross-entropy
 
 
-def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform: str | None = None):
+def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform: str | None = None,
+                         gather_once: bool = False):
     """(sum of masked token losses, number of unmasked tokens) without [N, V] logits.
 
     impl "pallas": the fused Pallas kernel; "chunked": the pure-JAX path over row chunks and vocabulary blocks (one
     [chunk, block] tile live at a time, in forward and backward). Under a mesh both run per batch shard, and the sums
     are psum-ed over the data-parallel axes. w goes in as the parameter rules split its rows (FSDP's `embed`): the
     chunked path gathers one vocabulary block of it at a time and reduce-scatters that block's gradient, so neither
-    the whole w nor its whole gradient is ever live on a device; the kernel gathers it whole.
+    the whole w nor its whole gradient is ever live on a device (`gather_once`: the forward gathers it whole and
+    keeps it for the backward, one gather instead of two); the kernel gathers it whole.
     """
     backend = platform
     which = {"chunked": "xla", "pallas": "pallas"}[impl]  # the kernel module's names: "xla" is its chunked loop
@@ -128,7 +130,8 @@ def linear_cross_entropy(h_NxD, w_DxV, targets_N, mask_N, *, impl: str, platform
     w_rows = _flat_axes(w_spec[0] if len(w_spec) else None)
 
     def per_shard(h, w, t, m):
-        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend, w_axes=w_rows)
+        total, count = ce.linear_cross_entropy(h, w, t, mask=m, impl=which, backend=backend, w_axes=w_rows,
+                                               keep_gathered=gather_once)
         if axes:
             total, count = jax.lax.psum(total, axes), jax.lax.psum(count, axes)
         return total, count

@@ -19,6 +19,7 @@ Fields `settle` fills:
 | round_weights_before_cast (None) | True on TPU (each layer rounds its fp32 weight slice to bf16 bits before the cast, so the compiler makes no bf16 copy of the whole stacked weights before the layer loop: llama2-7b on 16 v5p chips 11.84 -> 11.03 GB per chip), False elsewhere |
 | layer_grads_in_compute_dtype (None) | True on TPU (remat full over scanned layers: each layer's weight gradients stacked in bf16 inside the backward loop, cast to fp32 after it, the same bits; llama2-7b on v6e:4x4 at 2 x 4096: 10.59 -> 9.82 GB per chip), False elsewhere |
 | gather_mlp_weights (None) | True on TPU for MLP weights of 4 MiB or more in the compute dtype (each gathered whole before its matmul, its gradient reduce-scattered straight back, where the compiler would gather it window by window: llama2-7b on v6e:2x4 at 1 x 2048 per chip, predicted step 0.155 -> 0.125 s; `GATHER_MLP_MIN_BYTES` says why not below), False elsewhere |
+| loss_gather_once (None) | True on TPU (the chunked loss under FSDP gathers the output weights whole once and keeps them for its backward, where it gathered each vocabulary block in both passes: llama3-8b on v6e:8x8 at 1 x 2048 per chip, 60.2 -> 59.2 GB over ICI, predicted step 0.1344 -> 0.1321 s, collective-bound; on v6e:2x4 the same bytes per chip), False elsewhere |
 | ragged_all_to_all (None) | True on TPU (dropless expert parallelism sends only the token slots routed, `jax.lax.ragged_all_to_all`: Mixtral-8x7B over expert=8 on v5p, 45.1 -> 11.5 GB of all-to-all a step as the compiled program predicts under balanced routing), False on CPU, whose XLA has none, and on GPU, where it has not run (one block of the worst case to every device; true asks for it) |
 | matmul_grad_barrier (None) | True on CPU (XLA:CPU fuses elementwise gradients into transposing copies), False elsewhere |
 | scan_unroll (None) | on GPU n_layers: the whole stack in one iteration, parameters still stacked (measured on an H100: gpt2-small 1.50x the tokens/s of a rolled scan in 0.64x the memory, llama-1b 1.10x; benchmarks/RESULTS.md, "GPU"); on CPU n_layers when n_layers <= 4 (a rolled scan over so few layers is slow there), else 1; on TPU 1 (one layer's recomputed activations live at a time) |
@@ -92,8 +93,8 @@ class Choice:
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
     """`cfg` with its platform and the fields that depend on the platform (and the model's widths) settled (platform,
     matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast, layer_grads_in_compute_dtype,
-    gather_mlp_weights, ragged_all_to_all); the implementations stay as they are (`settle` picks them for a train
-    step)."""
+    gather_mlp_weights, loss_gather_once, ragged_all_to_all); the implementations stay as they are (`settle` picks
+    them for a train step)."""
     _check(platform)
     if cfg.platform is not None and cfg.platform != platform:
         raise ConfigError(f"model.platform={cfg.platform!r} but the mesh's devices are {platform!r}: leave "
@@ -111,6 +112,8 @@ def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
         changes["layer_grads_in_compute_dtype"] = platform == "tpu"
     if cfg.gather_mlp_weights is None:
         changes["gather_mlp_weights"] = platform == "tpu" and mlp_weight_bytes(cfg) >= GATHER_MLP_MIN_BYTES
+    if cfg.loss_gather_once is None:
+        changes["loss_gather_once"] = platform == "tpu"
     if cfg.ragged_all_to_all is None:
         changes["ragged_all_to_all"] = platform == "tpu"
     elif cfg.ragged_all_to_all and platform == "cpu" and cfg.n_experts and not cfg.capacity_factor:
