@@ -114,6 +114,15 @@ FITTED: dict[str, Fitted] = {
         "gathered weights outweigh the backward, at one row per chip on 64 chips (v6e:8x8 and v5e:8x8, llama2-7b and "
         "mistral-7b at 2,048 and 4,096 tokens: the compiled temporaries 0.09-0.23 GiB above the larger), fitted "
         "with backward_recompute_share on the 44 dense matrix cases recorded by 2026-12-01: 0.958-1.043x"),
+    "kept_loss_weights_beside": Fitted(
+        {False: 0.0, True: 0.1},
+        "with model.loss_gather_once the chunked loss keeps the whole gathered output weights from its forward to "
+        "its backward; from libtpu 0.0.52 the compiler holds them and this share of the gathered layer weights "
+        "beyond the loss's other working set (fitted on 11 Llama-3-family matrix cases compiled so, 2026-12-01: "
+        "0.972-1.027x the compiled bytes; counting neither, 0.916-1.027x, the weights alone 0.948-1.027x, a quarter "
+        "of the gathered layer weights 0.975-1.051x). The older "
+        "compilers hold no more for it: Llama-3.1-8B shapes over 32 v5p chips at 1 x 8192 compile to 9.45 GB "
+        "without it and 9.44 GB with it (libtpu 0.0.50.1)"),
 }
 ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
 LOSS_OVERLAP_LIBTPU = FITTED["loss_overlap_libtpu"].value
@@ -122,6 +131,7 @@ UNROLL_SHARES_SPLIT_LOSS = FITTED["unroll_shares_split_loss"].value
 UNROLL_COMPACT_GRADS = FITTED["unroll_compact_grads"].value
 BACKWARD_RECOMPUTE_SHARE = FITTED["backward_recompute_share"].value
 GATHERED_BESIDE_BACKWARD = FITTED["gathered_beside_backward"].value
+KEPT_LOSS_WEIGHTS_BESIDE = FITTED["kept_loss_weights_beside"].value
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -669,11 +679,8 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         if w_split > 1:
             # ... with the output weights as FSDP splits them, the forward walking the backward's blocks: the fp32
             # dh; the shard and its gradient's in the compute dtype; a gathered [D, block] block, the next one's,
-            # and a block of dw on its way to the reduce-scatter. With `loss_gather_once` the whole gathered weights
-            # are live from the loss's forward to its backward instead, but not at the peak: Llama-3.1-8B shapes over
-            # 32 v5p chips at 1 x 8192 compile to 9.45 GB without it and 9.44 GB with it (libtpu 0.0.50.1), llama3-8b
-            # over v6e:2x4 at 1 x 2048 to 16.14 and 16.15 GB (0.0.52); over v6e:8x8 3.17 -> 3.51 GB (0.954x counted
-            # so)
+            # and a block of dw on its way to the reduce-scatter (with `loss_gather_once` the whole gathered weights
+            # are live from the loss's forward to its backward as well: `kept_loss_weights` below)
             loss += tokens * D * 4 + 2 * D * V / w_split * s + 3 * D * block * s
         else:
             # ... with the output weights whole: the compute-dtype copy, their gradient and its reduction; the
@@ -688,8 +695,13 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
         # no room beyond the larger of the layer's backward and the loss (2 rows x 4096 per chip on v5p:2x2x4, remat
         # full: llama2-7b, mistral-7b and llama2-13b compile to 0.96-0.98x of what counts them apart), but for a
         # share of the smaller of the gathered weights and the layer's backward (GATHERED_BESIDE_BACKWARD)
-        activations = (stack + max(0.0, max(layer_bwd, loss - grads) - fsdp_gathered) + unrolled + stash
-                       + GATHERED_BESIDE_BACKWARD[True] * min(layer_bwd, fsdp_gathered))
+        # With `loss_gather_once` the chunked loss's kept copy of the output weights joins its working set, with a
+        # share of the gathered layer weights beside it (KEPT_LOSS_WEIGHTS_BESIDE); the older compilers hold no more
+        # for it (the FITTED entry)
+        kept_loss_weights = (D * V * s + KEPT_LOSS_WEIGHTS_BESIDE[True] * fsdp_gathered
+                             if loss_impl == "chunked" and w_split > 1 and r.loss_gather_once else 0.0)
+        activations = (stack + max(0.0, max(layer_bwd, loss + kept_loss_weights - grads) - fsdp_gathered) + unrolled
+                       + stash + GATHERED_BESIDE_BACKWARD[True] * min(layer_bwd, fsdp_gathered))
     elif loss_impl == "xla" or stack < grads:
         activations = stack + max(layer_bwd, loss) + unrolled + stash
     else:
