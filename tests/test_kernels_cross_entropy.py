@@ -202,12 +202,12 @@ def _split_w_loss(impl, mesh, blocks, keep_gathered=False):
     return loss
 
 
-@pytest.mark.parametrize("impl,keep", [("xla", False), ("xla", True), ("pallas", False)])
+@pytest.mark.parametrize("impl,keep", [("xla", False), ("xla", True), ("pallas", False), ("pallas", True)])
 def test_w_split_over_fsdp_matches_the_whole_w_and_is_gathered_a_block_at_a_time(impl, keep):
     """8 devices, data=2 x fsdp=4, each holding a quarter of w's rows: loss, dh, dw and dmask equal the reference on the
     whole w. The chunked path gathers [D, block] slices of w and reduce-scatters [D, block] gradients, never [D, V];
     with `keep_gathered` it gathers the whole w once, for both passes, and still reduce-scatters by blocks; the
-    kernel gathers the whole w up front."""
+    kernel gathers the whole w up front, with or without it."""
     from jaxperf import _compat
 
     N, D, V = 64, 32, 100

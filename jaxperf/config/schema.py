@@ -116,7 +116,8 @@ class ModelConfig:
     gather_mlp_weights: bool | None = None
     # The chunked loss under FSDP: gather the output weights whole once and keep them from the forward to the
     # backward, rather than gather each vocabulary block in both passes (jaxperf.models.kernels.linear_cross_entropy):
-    # one all-gather of the D x V weights a step instead of two, for D x V in the compute dtype live across the loss.
+    # one all-gather of the D x V weights per microbatch instead of two, for D x V in the compute dtype live across
+    # the loss.
     # None: the platform's choice (jaxperf.models.platform): on TPU
     loss_gather_once: bool | None = None
     # The platform the kernels are built for. None: not settled yet; `jaxperf.models.platform.settle` sets it (with

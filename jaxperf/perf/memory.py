@@ -118,9 +118,10 @@ FITTED: dict[str, Fitted] = {
         {False: 0.0, True: 0.1},
         "with model.loss_gather_once the chunked loss keeps the whole gathered output weights from its forward to "
         "its backward; from libtpu 0.0.52 the compiler holds them and this share of the gathered layer weights "
-        "beyond the loss's other working set (fitted on 11 Llama-3-family matrix cases compiled so, 2026-12-01: "
-        "0.972-1.027x the compiled bytes; counting neither, 0.916-1.027x, the weights alone 0.948-1.027x, a quarter "
-        "of the gathered layer weights 0.975-1.051x). The older "
+        "beyond the loss's other working set (11 Llama-3-family matrix cases compiled so, 2026-12-01: 0.972-1.027x "
+        "the compiled bytes; the two 64-chip cases at one row, where the loss is at the peak, decide it: counting "
+        "neither, 0.916 and 0.954x, the weights alone 0.948, a quarter of the gathered layer weights 1.051). The "
+        "older "
         "compilers hold no more for it: Llama-3.1-8B shapes over 32 v5p chips at 1 x 8192 compile to 9.45 GB "
         "without it and 9.44 GB with it (libtpu 0.0.50.1)"),
 }
@@ -680,8 +681,11 @@ def estimate(cfg: TrainConfig, mesh: Mesh | int | dict[str, int] | None = None, 
             # ... with the output weights as FSDP splits them, the forward walking the backward's blocks: the fp32
             # dh; the shard and its gradient's in the compute dtype; a gathered [D, block] block, the next one's,
             # and a block of dw on its way to the reduce-scatter (with `loss_gather_once` the whole gathered weights
-            # are live from the loss's forward to its backward as well: `kept_loss_weights` below)
+            # are live from the loss's forward to its backward as well: `kept_loss_weights` below on TPU; on GPU,
+            # where nothing has measured it, counted whole in the loss's working set)
             loss += tokens * D * 4 + 2 * D * V / w_split * s + 3 * D * block * s
+            if r.loss_gather_once and platform == "gpu":
+                loss += D * V * s
         else:
             # ... with the output weights whole: the compute-dtype copy, their gradient and its reduction; the
             # forward's [chunk, V] fp32 logits tile, whose buffer the backward's fp32 dh reuses
