@@ -456,6 +456,7 @@ def run_case(case: dict, python: str | None, why: str, timeout: float, hlo_dir: 
                 **{f"jaxperf_{k}": jp["prediction"].get(k) if jp else None for k in PREDICTION_PARTS},
                 "jaxperf_compile_s": jp.get("compile_s") if jp else None,
                 "jaxperf_implementations": jp.get("implementations") if jp else None,
+                "jaxperf_settled": jp.get("settled") if jp else None,
                 "jaxperf_mesh": jp.get("mesh") if jp else None,
                 "device_kind": jp.get("device_kind") if jp else None,
                 "hbm_bytes": jp.get("hbm_bytes") if jp else None})

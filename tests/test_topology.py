@@ -43,6 +43,11 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     assert r["flops_per_chip"] > 0
     # the default preset (tiny) runs its layers unrolled on CPU only: compiled for TPU, one layer per iteration
     assert r["layers"] == {"n": 2, "scanned": True, "per_iteration": 1}
+    # the fields the platform decides, as the program was built: for TPU, not for the CPU host that compiled it
+    # (the loss's output weights gathered once; the 1 MiB MLP weights under the size that gathers them whole)
+    assert r["settled"] == {"matmul_grad_barrier": False, "scan_unroll": 1, "keep_head_dims": True,
+                            "round_weights_before_cast": True, "layer_grads_in_compute_dtype": True,
+                            "gather_mlp_weights": False, "loss_gather_once": True, "ragged_all_to_all": True}, r
     p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
     assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9

@@ -90,11 +90,14 @@ class Choice:
         return f"{self.op}={self.impl} ({self.why})"
 
 
+# The model fields whose None `for_platform` settles; `jaxperf compile` reports each as settled.
+PLATFORM_FIELDS = ("matmul_grad_barrier", "scan_unroll", "keep_head_dims", "round_weights_before_cast",
+                   "layer_grads_in_compute_dtype", "gather_mlp_weights", "loss_gather_once", "ragged_all_to_all")
+
+
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
-    """`cfg` with its platform and the fields that depend on the platform (and the model's widths) settled (platform,
-    matmul_grad_barrier, scan_unroll, keep_head_dims, round_weights_before_cast, layer_grads_in_compute_dtype,
-    gather_mlp_weights, loss_gather_once, ragged_all_to_all); the implementations stay as they are (`settle` picks
-    them for a train step)."""
+    """`cfg` with its platform and the fields that depend on the platform (and the model's widths) settled (platform
+    and PLATFORM_FIELDS); the implementations stay as they are (`settle` picks them for a train step)."""
     _check(platform)
     if cfg.platform is not None and cfg.platform != platform:
         raise ConfigError(f"model.platform={cfg.platform!r} but the mesh's devices are {platform!r}: leave "
