@@ -28,7 +28,7 @@ Fields `settle` fills:
 | op | TPU | GPU | CPU |
 |---|---|---|---|
 | attention | Pallas flash attention (Mosaic) when the kernel takes the shapes | cuDNN (bf16/fp16, no segment ids, L == S) | XLA |
-| loss | chunked when the fp32 logits of one device pass 256 MiB | chunked when they pass 8 GiB (the full logits are faster on GPU) | XLA (full logits) |
+| loss | chunked when the fp32 logits of one device pass 128 MiB | chunked when they pass 8 GiB (the full logits are faster on GPU) | XLA (full logits) |
 | norm | XLA | XLA | XLA |
 | grouped_matmul (MoE) | XLA's ragged dot (a grouped-matmul kernel) | XLA's ragged dot | loop (XLA:CPU runs a ragged dot as one dense matmul per expert, and the tiled version's batched matmul at about 0.4 of a dense one's rate); with the expert weights whole on the device the MoE layer runs expert blocks instead (`moe._blocked`) |
 
@@ -52,10 +52,12 @@ from pallas_kernels.flash_attention import unavailable_reason as flash_unavailab
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 # The fp32 logits one device may hold for the loss before "auto" switches to the chunked loss, per accelerator. On
-# TPU the chunked loss costs little and saves much HBM. On GPU its loop of [chunk, V] matmuls was slower than the
+# TPU the chunked loss costs little and saves much HBM: at 256 MiB a 13B Llama-2 shape on v5e:8x8 at 1 x 2048 per
+# chip (250 MiB of logits) needed 0.903x MaxText's bytes with the full logits and 0.837x chunked, for the same
+# predicted step, so every 32k-vocabulary model at 2,048 tokens a chip now chunks. On GPU its loop of [chunk, V] matmuls was slower than the
 # full logits for both presets measured (benchmarks/RESULTS.md, "GPU"), so there only logits that would crowd the
 # device are chunked.
-CHUNKED_LOSS_BYTES = 256 * 2**20
+CHUNKED_LOSS_BYTES = 128 * 2**20
 GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 
 
