@@ -418,7 +418,7 @@ def test_the_tpu_estimate_within_6_percent_of_the_recorded_matrix(monkeypatch):
         chips = int(np.prod([int(n) for n in r["topology"].split(":")[1].split("x")]))
         ratio = memory.estimate(cfg, chips, platform="tpu").total / r["jaxperf_bytes"]
         # the goal is 10%; 6% holds the fitted shares (0.954-1.056 on the 52 cases as last compiled on 2026-12-01:
-        # the v6e slices of 64 chips at one row per chip compile 5-6% below the estimate, their v5e twins 1-3%)
+        # v6e:8x8 at 1 x 2048 compiles 5-6% below the estimate, llama2-7b on v5e:8x8 at 1 x 4096 4.6% above it)
         if abs(ratio - 1) > 0.06:
             off.append(f"{r['model']} {r['topology']} {r['rows_per_chip']} x {r['seq']}: {ratio:.3f}")
     assert not off, off

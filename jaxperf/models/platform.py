@@ -54,9 +54,9 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 # The fp32 logits one device may hold for the loss before "auto" switches to the chunked loss, per accelerator. On
 # TPU the chunked loss costs little and saves much HBM: at 256 MiB a 13B Llama-2 shape on v5e:8x8 at 1 x 2048 per
 # chip (250 MiB of logits) needed 0.903x MaxText's bytes with the full logits and 0.837x chunked, for the same
-# predicted step, so every 32k-vocabulary model at 2,048 tokens a chip now chunks. On GPU its loop of [chunk, V] matmuls was slower than the
-# full logits for both presets measured (benchmarks/RESULTS.md, "GPU"), so there only logits that would crowd the
-# device are chunked.
+# predicted step, so every 32k-vocabulary model at 2,048 tokens a chip now chunks. On GPU its loop of [chunk, V]
+# matmuls was slower than the full logits for both presets measured (benchmarks/RESULTS.md, "GPU"), so there only
+# logits that would crowd the device are chunked.
 CHUNKED_LOSS_BYTES = 128 * 2**20
 GPU_CHUNKED_LOSS_BYTES = 8 * 2**30
 

@@ -114,7 +114,8 @@ FITTED: dict[str, Fitted] = {
         "gathered weights outweigh the backward, at one row per chip on 64 chips (v6e:8x8 and v5e:8x8, llama2-7b, "
         "mistral-7b and llama2-13b at 2,048 and 4,096 tokens), fitted with backward_recompute_share on the 52 dense "
         "matrix cases as last compiled on 2026-12-01 (every 32k-vocabulary case at 2,048 tokens per chip on the "
-        "chunked loss): 0.954-1.056x (0.3, the fit before those moved to the chunked loss: 0.972-1.066x)"),
+        "chunked loss): 0.954-1.056x (0.3, fitted on the records before that move, gave 0.948-1.043x on those and "
+        "gives 0.972-1.066x on these)"),
     "kept_loss_weights_beside": Fitted(
         {False: 0.0, True: 0.1},
         "with model.loss_gather_once the chunked loss keeps the whole gathered output weights from its forward to "
