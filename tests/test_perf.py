@@ -411,13 +411,13 @@ def test_the_tpu_estimate_within_6_percent_of_the_recorded_matrix(monkeypatch):
     build is compiled again with bench_tpu_compile.py --matrix."""
     monkeypatch.setattr(memory, "tpu_compiler_overlaps_loss", lambda: True)
     records = _tpu_matrix_records()
-    assert len(records) >= 52
+    assert len(records) >= 62
     off = []
     for r in records:
         cfg = get_config(None, r["jaxperf_overrides"])
         chips = int(np.prod([int(n) for n in r["topology"].split(":")[1].split("x")]))
         ratio = memory.estimate(cfg, chips, platform="tpu").total / r["jaxperf_bytes"]
-        # the goal is 10%; 6% holds the fitted shares (0.954-1.056 on the 52 cases as last compiled on 2026-12-01:
+        # the goal is 10%; 6% holds the fitted shares (0.954-1.056 on the 62 cases as last compiled on 2026-12-01:
         # v6e:8x8 at 1 x 2048 compiles 5-6% below the estimate, llama2-7b on v5e:8x8 at 1 x 4096 4.6% above it)
         if abs(ratio - 1) > 0.06:
             off.append(f"{r['model']} {r['topology']} {r['rows_per_chip']} x {r['seq']}: {ratio:.3f}")
