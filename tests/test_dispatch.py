@@ -181,6 +181,13 @@ def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
     assert line.startswith("settled for tpu: attention=ring") and "loss=xla" in line and "scan_unroll=1" in line
     with pytest.raises(ConfigError, match="model.platform='gpu' but the mesh's devices are 'tpu'"):
         plat.settle(get_config("gpt2-small", ["model.platform=gpu"]), mesh, "tpu")
+    # PLATFORM_FIELDS (what `jaxperf compile` reports as settled) names every field for_platform decides
+    for platform in plat.PLATFORMS:
+        for model in (cfg.model, get_config("moe-tiny").model):
+            done = plat.for_platform(model, platform)
+            moved = {f.name for f in dataclasses.fields(model) if getattr(model, f.name) != getattr(done, f.name)}
+            assert moved - {"platform"} <= set(plat.PLATFORM_FIELDS), (platform, moved)
+            assert all(getattr(done, f) is not None for f in plat.PLATFORM_FIELDS), (platform, done)
 
 
 def test_a_model_settled_for_tpu_traces_the_mosaic_kernel_on_this_host():

@@ -123,8 +123,7 @@ FITTED: dict[str, Fitted] = {
         "beyond the loss's other working set (11 Llama-3-family matrix cases compiled so, 2026-12-01: 0.972-1.027x "
         "the compiled bytes; the two 64-chip cases at one row, where the loss is at the peak, decide it: counting "
         "neither, 0.916 and 0.954x, the weights alone 0.948, a quarter of the gathered layer weights 1.051). The "
-        "older "
-        "compilers hold no more for it: Llama-3.1-8B shapes over 32 v5p chips at 1 x 8192 compile to 9.45 GB "
+        "older compilers hold no more for it: Llama-3.1-8B shapes over 32 v5p chips at 1 x 8192 compile to 9.45 GB "
         "without it and 9.44 GB with it (libtpu 0.0.50.1)"),
 }
 ACCELERATOR_CODE_BYTES = FITTED["accelerator_code_bytes"].value
