@@ -15,7 +15,9 @@ from jaxperf.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from jaxperf.models import GPT
 from jaxperf.parallel.mesh import make_mesh
 from jaxperf.parallel import rules as rules_module
-from jaxperf.parallel.rules import activation_sharding, constrain, gather_weight, get_rules
+from jaxperf.models.layers import embed_lookup
+from jaxperf.parallel.rules import (activation_sharding, cast_table_rows, constrain, gather_weight, get_rules,
+                                    logical_to_spec)
 from jaxperf.step.task import Task
 
 # 8 heads so that tp=8 divides them; 2 scanned layers; vocab 256; fp32 for tight comparisons.
@@ -204,3 +206,45 @@ def test_dcn_data_multiplies_the_data_axis_and_needs_real_slices():
         mesh_shape(ParallelConfig(dcn_data=0), 8)
     with pytest.raises(ConfigError, match="needs devices from 2 slices.*no slice_index"):
         make_mesh(ParallelConfig(fsdp=-1, dcn_data=2))  # CPU devices belong to no slice
+
+
+def _constraints(jaxpr):
+    """(dtype, spec) of every sharding constraint in a jaxpr, sub-jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            found.append((eqn.invars[0].aval.dtype, eqn.invars[0].aval.shape, eqn.params["sharding"].spec))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    found += _constraints(sub)
+    return found
+
+
+@pytest.mark.parametrize("mesh_name,expected", [("fsdp", P(None, None, "fsdp")), ("data_fsdp_tp", P("data", None, "fsdp")),
+                                                ("tp", None), ("dp", None)])
+def test_embedding_gradient_moves_to_the_tables_shard_in_the_compute_dtype(mesh_name, expected):
+    """The lookup's bf16 cotangent is sent to the table's D shard (the batch kept split over `data`, never gathered
+    over it) before it is cast to fp32: half the bytes of the partitioner's own choice, which casts first. The table
+    gradient is the same either way (up to the order of its sums); where the table's D is not split (tp, dp) there is nothing to move."""
+    mesh = make_mesh(ParallelConfig(strategy=STRATEGY[mesh_name], **MESHES[mesh_name]))
+    rules = get_rules(STRATEGY[mesh_name], mesh)
+    table = jax.random.normal(jax.random.key(0), (256, 64))
+    ids = jax.random.randint(jax.random.key(1), (16, 32), 0, 256)
+    w = jax.random.normal(jax.random.key(2), (16, 32, 64))
+
+    def loss(table, lookup):
+        with activation_sharding(mesh, rules):
+            x = constrain(lookup(table, ids), ("batch", "residual_seq", "embed"))
+            return jnp.sum((x.astype(jnp.float32) * w) ** 2)
+
+    ours = lambda t, i: embed_lookup(t, i, jnp.bfloat16)
+    plain = lambda t, i: jnp.take(t, i, axis=0).astype(jnp.bfloat16)
+    moved = [(shape, spec) for dtype, shape, spec in _constraints(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(
+        table, ours).jaxpr) if dtype == jnp.bfloat16 and spec != P(("data", "fsdp"))
+             and spec != logical_to_spec(("batch", "residual_seq", "embed"), rules.activations, mesh, (16, 32, 64))]
+    assert moved == ([] if expected is None else [((16, 32, 64), expected)]), moved
+    g_ours, g_plain = (jax.jit(jax.grad(loss), static_argnums=1)(table, f) for f in (ours, plain))
+    np.testing.assert_allclose(np.asarray(g_ours), np.asarray(g_plain), rtol=1e-5, atol=1e-5)  # sums reordered
+    assert cast_table_rows(table[:3], jnp.bfloat16, ("batch", "embed")).dtype == jnp.bfloat16  # eager: a plain cast

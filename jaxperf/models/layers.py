@@ -24,7 +24,7 @@ from jaxperf.models.quant import Int8Weight
 from jaxperf.models.registry import implementation, register
 from jaxperf.parallel.collective_matmul import sequence_parallel_column, sequence_parallel_row
 from jaxperf.parallel.ring_attention import ring_attention_ambient
-from jaxperf.parallel.rules import constrain, gather_weight, gathers, sequence_is_split
+from jaxperf.parallel.rules import cast_table_rows, constrain, gather_weight, gathers, sequence_is_split
 from pallas_kernels.norms import unavailable_reason as norm_unavailable_reason
 
 Axes = tuple[str | None, ...]
@@ -174,12 +174,15 @@ def _row(h, w, n_in: int, hooks: LayerHooks, grad_barrier: bool, keep_dims: bool
     return hooks.row_parallel(dense(h, w, n_in, grad_barrier=grad_barrier, keep_dims=keep_dims))
 
 
-def embed_lookup(table, ids: jax.Array, dtype, *, mode=None) -> jax.Array:
-    """Rows `ids` of an embedding table [V, D] (an array or an int8 table with one scale per row) in `dtype`."""
+def embed_lookup(table, ids: jax.Array, dtype, *, mode=None, axes=("batch", "residual_seq")) -> jax.Array:
+    """Rows `ids` of an embedding table [V, D] (an array or an int8 table with one scale per row) in `dtype`.
+
+    `axes` name the dims of `ids`: the gradient of the rows is sent to the table's D shard in `dtype` before it is
+    cast to the table's precision (`jaxperf.parallel.rules.cast_table_rows`)."""
     if isinstance(table, Int8Weight):
         rows = jnp.take(table.q, ids, axis=0, mode=mode).astype(jnp.float32)
         return (rows * jnp.take(table.scale, ids, axis=0, mode=mode)).astype(dtype)
-    return jnp.take(table, ids, axis=0, mode=mode).astype(dtype)
+    return cast_table_rows(jnp.take(table, ids, axis=0, mode=mode), dtype, (*axes, "embed"))
 
 
 def _ones(key, shape, dtype):

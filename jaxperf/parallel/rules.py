@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxperf import _compat
@@ -244,6 +245,60 @@ def _gather_to_bwd(gathered, own, _, dw):
 
 
 _gather_to.defvjp(_gather_to_fwd, _gather_to_bwd)
+
+
+def cast_table_rows(rows: jax.Array, dtype, logical_axes: Sequence[str | None]) -> jax.Array:
+    """Rows taken from a parameter table (`rows` [..., D], named `logical_axes`, the last the table's own D name) cast
+    to `dtype`, their cotangent moved to the table's layout while still in `dtype` and only then cast back.
+
+    Left to the partitioner, the backward of `take(table, ids).astype(bf16)` casts the bf16 cotangent to fp32 first and
+    then sends it to where the table's D shard lies (under fsdp an all-to-all from the batch split to the D split),
+    moving twice the bytes it needs to: 33 MB per chip instead of 16.5 for a 4096-wide model at 2,048 tokens a chip.
+    Here the cotangent is resharded in `dtype`: the leading dims as the activation rules split them, less the mesh axes
+    the table's D takes, D as the parameter rules split it. The values are the same (a cast commutes with a move); a
+    plain cast outside `activation_sharding` or where the two layouts agree."""
+    rows = jnp.asarray(rows)
+    target = _table_cotangent_sharding(logical_axes, rows.shape)
+    if target is None:
+        return rows.astype(dtype)
+    return _cast_resharded(rows, jnp.dtype(dtype), target)
+
+
+def _table_cotangent_sharding(logical_axes, shape) -> NamedSharding | None:
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    if len(logical_axes) != len(shape):
+        raise ValueError(f"cast_table_rows: {len(logical_axes)} names {tuple(logical_axes)} for rows of shape {shape}")
+    d_spec = logical_to_spec(logical_axes[-1:], rules.params, mesh, shape[-1:])
+    d_axes = d_spec[0] if len(d_spec) else None
+    taken = set((d_axes,) if isinstance(d_axes, str) else (d_axes or ()))
+    if not taken:
+        return None
+    lead_table = tuple((name, tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ())) if a not in taken))
+                       for name, axes in rules.activations)
+    lead = tuple(logical_to_spec(logical_axes[:-1], lead_table, mesh, shape[:-1]))
+    spec = P(*lead, *([None] * (len(shape) - 1 - len(lead))), d_axes)
+    if spec == logical_to_spec(logical_axes, rules.activations, mesh, shape):
+        return None
+    return NamedSharding(_compat.context_mesh(mesh), spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _cast_resharded(rows, dtype, target):
+    return rows.astype(dtype)
+
+
+def _cast_resharded_fwd(rows, dtype, target):
+    return rows.astype(dtype), jnp.zeros((), rows.dtype)
+
+
+def _cast_resharded_bwd(dtype, target, like, g):
+    return (jax.lax.with_sharding_constraint(g, target).astype(like.dtype),)
+
+
+_cast_resharded.defvjp(_cast_resharded_fwd, _cast_resharded_bwd)
 
 
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
