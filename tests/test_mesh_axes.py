@@ -38,7 +38,7 @@ CASES = {
 }
 
 # Shard shapes written out from the rule tables (global: embed (256, 64), wq (2, 64, 8, 8), w_in (2, 64, 256),
-# attn_norm/scale (2, 64)): stage splits the stacked layers, fsdp the embed dim, tensor heads / MLP / vocab; data and
+# attn_norm/scale (2, 64)): stage splits the stacked layers, fsdp the embed dim (norm scales stay whole), tensor heads / MLP / vocab; data and
 # seq replicate weights.
 SHARDS = {
     "stage2_data4_gpipe": {"embed_VxD": (256, 64), "blocks/attn/wq_DxHxDh": (1, 64, 8, 8),
@@ -52,7 +52,7 @@ SHARDS = {
     "tensor2_sp": {"embed_VxD": (128, 64), "blocks/attn/wq_DxHxDh": (2, 64, 4, 8),
                    "blocks/mlp/w_in_DxF": (2, 64, 128), "blocks/attn_norm/scale": (2, 64)},
     "fsdp2_stage2_seq2": {"embed_VxD": (256, 32), "blocks/attn/wq_DxHxDh": (1, 32, 8, 8),
-                          "blocks/mlp/w_in_DxF": (1, 32, 256), "blocks/attn_norm/scale": (1, 32)},
+                          "blocks/mlp/w_in_DxF": (1, 32, 256), "blocks/attn_norm/scale": (1, 64)},
     "tensor2_stage2_seq2": {"embed_VxD": (128, 64), "blocks/attn/wq_DxHxDh": (1, 64, 4, 8),
                             "blocks/mlp/w_in_DxF": (1, 64, 128), "blocks/attn_norm/scale": (1, 64)},
 }

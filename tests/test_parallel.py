@@ -34,19 +34,20 @@ MESHES = {
 STRATEGY = {"dp": "dp", "fsdp": "fsdp", "tp": "tp", "fsdp_tp": "fsdp_tp", "data_fsdp_tp": "fsdp_tp"}
 
 # Shard shape of every parameter (and of its Adam moments) per mesh, written out by hand from the rule tables:
-# fsdp splits each weight's embed dim; tp splits heads, kv_heads, mlp and vocab; the data axis replicates weights.
+# fsdp splits each weight's embed dim (the norms' scales and biases, named `norm`, stay whole); tp splits heads,
+# kv_heads, mlp and vocab; the data axis replicates weights.
 # Global shapes: embed (256, 64), pos (32, 64), norms (64,) / (2, 64), wq/wk/wv (2, 64, 8, 8), wo (2, 8, 8, 64),
 # bq/bk/bv (2, 8, 8), bo (2, 64), w_in (2, 64, 256), b_in (2, 256), w_out (2, 256, 64), b_out (2, 64).
 SHARD_SHAPES = {
     #                                dp               fsdp            tp               fsdp_tp          data_fsdp_tp
     "embed_VxD": [(256, 64), (256, 8), (32, 64), (128, 16), (128, 32)],
     "pos_LxD": [(32, 64), (32, 8), (32, 64), (32, 16), (32, 32)],
-    "final_norm/scale": [(64,), (8,), (64,), (16,), (32,)],
-    "final_norm/bias": [(64,), (8,), (64,), (16,), (32,)],
-    "blocks/attn_norm/scale": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
-    "blocks/attn_norm/bias": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
-    "blocks/mlp_norm/scale": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
-    "blocks/mlp_norm/bias": [(2, 64), (2, 8), (2, 64), (2, 16), (2, 32)],
+    "final_norm/scale": [(64,), (64,), (64,), (64,), (64,)],
+    "final_norm/bias": [(64,), (64,), (64,), (64,), (64,)],
+    "blocks/attn_norm/scale": [(2, 64), (2, 64), (2, 64), (2, 64), (2, 64)],
+    "blocks/attn_norm/bias": [(2, 64), (2, 64), (2, 64), (2, 64), (2, 64)],
+    "blocks/mlp_norm/scale": [(2, 64), (2, 64), (2, 64), (2, 64), (2, 64)],
+    "blocks/mlp_norm/bias": [(2, 64), (2, 64), (2, 64), (2, 64), (2, 64)],
     "blocks/attn/wq_DxHxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
     "blocks/attn/wk_DxKxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
     "blocks/attn/wv_DxKxDh": [(2, 64, 8, 8), (2, 8, 8, 8), (2, 64, 1, 8), (2, 16, 4, 8), (2, 32, 4, 8)],
@@ -222,12 +223,13 @@ def _constraints(jaxpr):
     return found
 
 
-@pytest.mark.parametrize("mesh_name,expected", [("fsdp", P(None, None, "fsdp")), ("data_fsdp_tp", P("data", None, "fsdp")),
-                                                ("tp", None), ("dp", None)])
+@pytest.mark.parametrize("mesh_name,expected", [("fsdp", P(None, None, "fsdp")),
+                                                ("data_fsdp_tp", P("data", None, "fsdp")), ("tp", None), ("dp", None)])
 def test_embedding_gradient_moves_to_the_tables_shard_in_the_compute_dtype(mesh_name, expected):
     """The lookup's bf16 cotangent is sent to the table's D shard (the batch kept split over `data`, never gathered
     over it) before it is cast to fp32: half the bytes of the partitioner's own choice, which casts first. The table
-    gradient is the same either way (up to the order of its sums); where the table's D is not split (tp, dp) there is nothing to move."""
+    gradient is the same either way (up to the order of its sums); where the table's D is not split (tp, dp) there is
+    nothing to move."""
     mesh = make_mesh(ParallelConfig(strategy=STRATEGY[mesh_name], **MESHES[mesh_name]))
     rules = get_rules(STRATEGY[mesh_name], mesh)
     table = jax.random.normal(jax.random.key(0), (256, 64))

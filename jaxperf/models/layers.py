@@ -204,8 +204,8 @@ class Norm(nnx.Module):
     def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs,
                  impl: str = "auto", platform: str | None = None):
         self.kind, self.eps, self.impl, self.platform = kind, eps, impl, platform
-        self.scale = _param(rngs, _ones, (dim,), ("embed",), param_dtype)
-        self.bias = _param(rngs, _zeros, (dim,), ("embed",), param_dtype) if use_bias and kind == "layernorm" else None
+        self.scale = _param(rngs, _ones, (dim,), ("norm",), param_dtype)
+        self.bias = _param(rngs, _zeros, (dim,), ("norm",), param_dtype) if use_bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array, residual: jax.Array | None = None):
         norm = implementation("norm", self.impl, x_BxLxD, platform=self.platform)
