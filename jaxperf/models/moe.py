@@ -402,10 +402,13 @@ def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm, gather_ro
 
 
 HEAD_SHARE = 1.25  # an expert block's rows, as a share of the rows an even split gives each expert
+OVERFLOW_CHUNK = 256  # rows a time through the loop over the slots past the expert blocks
 
 
-def _head_rows(rows: int, groups: int, share: float = HEAD_SHARE) -> int:
-    """Rows of each group's block: `share` x an even split's, rounded up to a multiple of 8, at most `rows`."""
+def _head_rows(rows: int, groups: int, share: float | None = None) -> int:
+    """Rows of each group's block: `share` (default HEAD_SHARE) x an even split's, rounded up to a multiple of 8, at
+    most `rows`."""
+    share = HEAD_SHARE if share is None else share
     return min(rows, 8 * math.ceil(share * rows / groups / 8))
 
 
@@ -430,7 +433,7 @@ def _blocked(x_TxD, weights_TxK, experts_TxK, weights, act: str, head: int):
     row_S, in_S = expert_S * head + jnp.minimum(at_S, head - 1), at_S < head  # slot -> block row
     x_SxD = jnp.repeat(x_TxD, K, axis=0)  # slot s = t * K + k
     blocks = _Blocks(slot_B, in_B, row_S, in_S, order_S, sizes_E)
-    out_SxD = _blocked_mlp(x_SxD, blocks, weights, act, head, min(256, S))
+    out_SxD = _blocked_mlp(x_SxD, blocks, weights, act, head, min(OVERFLOW_CHUNK, S))
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
 
