@@ -136,8 +136,8 @@ def test_the_tiled_and_looped_grouped_matmuls_equal_the_ragged_dot(sizes, impl, 
 @pytest.mark.parametrize("routing", ["even", "skewed"])
 def test_the_cpu_expert_blocks_with_their_overflow_equal_the_ragged_dot(style, routing):
     """XLA:CPU's dropless path (`_blocked`): each expert's first slots as a dense block, the slots past it by the
-    chunked loop. Even routing fits the blocks (150 slots each, blocks of 192); skewed routing sends 500 of the 600
-    slots to expert 0, whose 308 past its block take two chunks of 256. Forward and gradients (x, weights, biases,
+    chunked loop. Even routing fits the blocks (150 slots each, blocks of 152); skewed routing sends 500 of the 600
+    slots to expert 0, whose 348 past its block take three chunks of 128. Forward and gradients (x, weights, biases,
     combine weights) against the ragged dot path; dropping the overflow, or its gradient, turns the skewed case red."""
     moe = _moe(style=style, grouped_matmul_impl="xla")
     T, K, E = 300, 2, 4
@@ -150,7 +150,7 @@ def test_the_cpu_expert_blocks_with_their_overflow_equal_the_ragged_dot(style, r
     combine = jax.nn.softmax(jax.random.normal(jax.random.key(4), (T, K)), axis=-1)
     weights = moe._weights(jnp.float32)
     head = moe_lib._head_rows(T * K, E)
-    assert head == 192 and (int(jnp.max(jnp.bincount(experts.reshape(-1), length=E))) > head) == (routing == "skewed")
+    assert head == 152 and (int(jnp.max(jnp.bincount(experts.reshape(-1), length=E))) > head) == (routing == "skewed")
 
     def run(path):
         def f(x, weights, combine):

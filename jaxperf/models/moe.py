@@ -401,8 +401,12 @@ def _dropless(x_TxD, weights_TxK, experts_TxK, weights, act: str, gmm, gather_ro
     return jnp.einsum("tkd,tk->td", out_SxD.reshape(T, K, -1), weights_TxK.astype(out_SxD.dtype))
 
 
-HEAD_SHARE = 1.25  # an expert block's rows, as a share of the rows an even split gives each expert
-OVERFLOW_CHUNK = 256  # rows a time through the loop over the slots past the expert blocks
+# XLA:CPU's expert blocks (`_blocked`): each expert's block holds an even share of the slots (rounded up to 8 rows),
+# the slots past it go through the overflow loop 128 at a time. Against blocks of 1.25x an even share with 256-row
+# chunks, moe-tiny on the default corpus trained 1.02-1.07x faster (four alternating rounds; 1.5x and 2x blocks, or
+# 0.75x, or 64-row chunks, were slower: benchmarks/RESULTS.md, "Mixture of experts on CPU").
+HEAD_SHARE = 1.0  # an expert block's rows, as a share of the rows an even split gives each expert
+OVERFLOW_CHUNK = 128  # rows a time through the loop over the slots past the expert blocks
 
 
 def _head_rows(rows: int, groups: int, share: float | None = None) -> int:
@@ -472,7 +476,7 @@ def _blocked_forward(x_SxD, b: _Blocks, weights, act: str, head: int, chunk: int
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _blocked_mlp(x_SxD, b: _Blocks, weights, act: str, head: int, chunk: int):
     """Every slot of `x` [S, D] through its expert's MLP: each expert's first `head` slots as a block of the batched
-    MLP, the slots past it (none while the routing is within HEAD_SHARE of even) `chunk` at a time through a loop
+    MLP, the slots past it (none while every expert holds at most its even share) `chunk` at a time through a loop
     with a run-time trip count, writing into the blocks' output. The backward takes the blocks' gradients from the
     batched MLP's VJP and the loop's into the same buffers: the gathers' gradients are gathers by the inverse map
     (where autodiff's would be a scatter-add, several times slower on XLA:CPU), and no buffer is zeroed or added for
@@ -764,8 +768,7 @@ def _looped_bwd(chunk: int, head: int, res, dy_RxF):
 _looped.defvjp(_looped_fwd, _looped_bwd)
 
 
-def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256,
-                          head: float | int = HEAD_SHARE):
+def looped_grouped_matmul(x_RxD, w_ExDxF, sizes_E, *, platform=None, chunk: int = 256, head: float | int = 1.25):
     """The same product as `ragged_grouped_matmul`: each group's first `head` rows as one batched matmul over the
     groups ([E, head, D] x [E, D, F]), and the rows past them by a loop over chunks of `chunk` rows, one plain
     [chunk, D] x [D, F] matmul each, as many as the groups fill (a run-time trip count: none when every group fits
