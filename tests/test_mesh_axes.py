@@ -38,8 +38,8 @@ CASES = {
 }
 
 # Shard shapes written out from the rule tables (global: embed (256, 64), wq (2, 64, 8, 8), w_in (2, 64, 256),
-# attn_norm/scale (2, 64)): stage splits the stacked layers, fsdp the embed dim (norm scales stay whole), tensor heads / MLP / vocab; data and
-# seq replicate weights.
+# attn_norm/scale (2, 64)): stage splits the stacked layers, fsdp the embed dim (norm scales stay whole), tensor
+# heads / MLP / vocab; data and seq replicate weights.
 SHARDS = {
     "stage2_data4_gpipe": {"embed_VxD": (256, 64), "blocks/attn/wq_DxHxDh": (1, 64, 8, 8),
                            "blocks/mlp/w_in_DxF": (1, 64, 256), "blocks/attn_norm/scale": (1, 64)},

@@ -136,9 +136,10 @@ def test_the_tiled_and_looped_grouped_matmuls_equal_the_ragged_dot(sizes, impl, 
 @pytest.mark.parametrize("routing", ["even", "skewed"])
 def test_the_cpu_expert_blocks_with_their_overflow_equal_the_ragged_dot(style, routing):
     """XLA:CPU's dropless path (`_blocked`): each expert's first slots as a dense block, the slots past it by the
-    chunked loop. Even routing fits the blocks (150 slots each, blocks of 152); skewed routing sends 500 of the 600
-    slots to expert 0, whose 348 past its block take three chunks of 128. Forward and gradients (x, weights, biases,
-    combine weights) against the ragged dot path; dropping the overflow, or its gradient, turns the skewed case red."""
+    chunked loop. Even routing fits the blocks (150 slots each, blocks of 152); skewed routing gives expert 0 250 of
+    the 600 slots and expert 3 284, whose 98 and 132 past their blocks take one chunk of 128 and two. Forward and
+    gradients (x, weights, biases, combine weights) against the ragged dot path; dropping the overflow, or its
+    gradient, turns the skewed case red."""
     moe = _moe(style=style, grouped_matmul_impl="xla")
     T, K, E = 300, 2, 4
     x = jax.random.normal(jax.random.key(3), (T, 16))

@@ -177,7 +177,8 @@ def test_memory_estimate_sharding_and_advice():
     base = get_config("tiny", ["d_model=64", "n_layers=2", "max_seq_len=64", "batch_size=64"])
     dp = memory.estimate(memory._with(base, parallel={"strategy": "dp", "data": 8, "fsdp": 1}), 8)
     fsdp = memory.estimate(memory._with(base, parallel={"strategy": "fsdp", "data": 1, "fsdp": 8}), 8)
-    # Weights split 8 ways along embed; the few biases without an embed dim (q/k/v, mlp-in) stay whole.
+    # Weights split 8 ways along embed; the norms' scales and biases and the few biases without an embed dim (q/k/v,
+    # mlp-in) stay whole.
     assert dp.params / 8 < fsdp.params < 1.1 * dp.params / 8
     assert fsdp.opt_state == 2 * fsdp.params and dp.activations == fsdp.activations
     remat = memory.estimate(memory._with(base, model={"remat": "full"}), 8)

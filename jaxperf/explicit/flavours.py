@@ -15,8 +15,9 @@
                the scan over layers (the model hands them over through its `hooks.layer_params`, see
                jaxperf.models.hooks), and autodiff turns each
                gather into a reduce-scatter (`lax.psum_scatter`) inside the backward scan, so each device ends with
-               the batch-summed gradient of exactly the shard it stores, layer by layer; the embeddings and final
-               norm are gathered before and reduce-scattered after. (A model without stacked layers under `blocks`
+               the batch-summed gradient of exactly the shard it stores, layer by layer; the embeddings are
+               gathered before and reduce-scattered after (norm scales are whole: their gradients are
+               `lax.psum`med). (A model without stacked layers under `blocks`
                gets all its parameters gathered at once.) A parameter whose dims do not divide stays whole and its
                gradient is `lax.psum`med. The optimizer update is then applied in the
                jit around the shard_map, to shards that live where their gradients do: it is elementwise, so each
@@ -312,7 +313,7 @@ def _per_layer_fsdp_grads(task, loss_fn, param_blocks, model_state, batch, scale
     layer's slice. Autodiff transposes each all-gather into a reduce-scatter inside the backward scan, so every
     layer's gradient leaves the backward already summed over `fsdp` and cut to this device's shard; what is left is
     a psum over data-parallel axes the parameter is not sharded over. The loss is weighted before differentiating so
-    those in-backward sums are sums of weighted gradients. Everything else (embeddings, final norm) is gathered whole
+    those in-backward sums are sums of weighted gradients. Everything else split (the embeddings) is gathered whole
     up front and reduce-scattered after, as in the all-at-once path.
     """
     key = task.layer_stack

@@ -1,6 +1,6 @@
 """Logical-axis rules: how each strategy maps the model's named axes onto the mesh.
 
-Models name their axes (batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers); a strategy is a pair of
+Models name their axes (batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab, layers, norm); a strategy is a pair of
 tables, one for parameters and one for activations, from those names to mesh axes. Data parallel, fully sharded and
 tensor parallel training are these tables over one model and one step; adding a strategy means adding a table.
 
@@ -51,8 +51,8 @@ _ACTIVATIONS = (
 )
 # Weights: FSDP (ZeRO-3) splits every weight along its embed dim; Megatron TP splits heads, mlp and vocab. Norm scales
 # and biases are named `norm`, which no table maps: whole on every device, as MaxText keeps them. Split over fsdp, each
-# layer would gather both of its norms three times a step (forward, recomputation, backward: 96 small all-reduces for
-# 32 layers, 4.1 MB at 64 chips) to save 3 x 16 KB per layer of parameters and Adam moments.
+# layer would gather both of its norms' scales twice a step (forward and recomputation: 64 small all-reduces for 32
+# layers, 4.1 MB at 64 chips) to save 3 x 16 KB per norm of parameters and Adam moments (a 4096-wide model).
 _FSDP_PARAMS = (("embed", "fsdp"),)
 _TP_PARAMS = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor"))
 
