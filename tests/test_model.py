@@ -284,7 +284,7 @@ def test_tied_and_untied_embeddings():
 def test_every_parameter_carries_logical_axes():
     from jaxperf._compat import variable_logical_axes
 
-    names = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers"}
+    names = {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "norm"}
     for style in ("gpt2", "llama"):
         model = GPT(dataclasses.replace(SMALL, style=style, tie_embeddings=False), rngs=nnx.Rngs(0))
         for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
