@@ -250,3 +250,14 @@ def test_embedding_gradient_moves_to_the_tables_shard_in_the_compute_dtype(mesh_
     g_ours, g_plain = (jax.jit(jax.grad(loss), static_argnums=1)(table, f) for f in (ours, plain))
     np.testing.assert_allclose(np.asarray(g_ours), np.asarray(g_plain), rtol=1e-5, atol=1e-5)  # sums reordered
     assert cast_table_rows(table[:3], jnp.bfloat16, ("batch", "embed")).dtype == jnp.bfloat16  # eager: a plain cast
+
+
+def test_embedding_gradient_left_to_the_partitioner_on_an_expert_mesh():
+    """With an `expert` axis the lookup is a plain cast: the constraint added an all-to-all and a permute there."""
+    mesh = make_mesh(ParallelConfig(strategy="fsdp", data=1, fsdp=4, expert=2))
+    rules = get_rules("fsdp", mesh)
+    with activation_sharding(mesh, rules):
+        assert rules_module._table_cotangent_sharding(("batch", "residual_seq", "embed"), (16, 32, 64)) is None
+    fsdp = make_mesh(ParallelConfig(strategy="fsdp", data=1, fsdp=8))
+    with activation_sharding(fsdp, get_rules("fsdp", fsdp)):
+        assert rules_module._table_cotangent_sharding(("batch", "residual_seq", "embed"), (16, 32, 64)) is not None
