@@ -26,6 +26,11 @@ from jaxperf.config import ConfigError
 MeshAxes = str | tuple[str, ...] | None
 
 
+def _axes_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    """A table entry's mesh axes as a tuple: one name, several, or none."""
+    return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+
 @dataclass(frozen=True)
 class Rules:
     """Logical name -> mesh axis (or tuple of axes, or None = replicated), for parameters and for activations."""
@@ -37,7 +42,7 @@ class Rules:
     def mesh_axes_used(self) -> set[str]:
         used = set()
         for _, axes in self.params + self.activations:
-            used.update((axes,) if isinstance(axes, str) else (axes or ()))
+            used.update(_axes_tuple(axes))
         return used
 
 
@@ -81,7 +86,7 @@ def mesh_rules(rules: Rules, mesh: Mesh, *, sequence_parallel: bool = False) -> 
     if mesh.shape.get("expert", 1) > 1:
         params = _EXPERT_PARAMS + params
         batch = dict(acts).get("batch")
-        batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+        batch = _axes_tuple(batch)
         acts = acts + (("batch", batch + ("expert",)),)
     seq = ("seq",) if mesh.shape.get("seq", 1) > 1 else ()
     residual = seq + (("tensor",) if sequence_parallel and mesh.shape.get("tensor", 1) > 1 else ())
@@ -136,7 +141,7 @@ def logical_to_spec(
     spec = []
     for i, name in enumerate(logical_axes):
         axes = lookup.get(name) if name is not None else None
-        axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        axes = _axes_tuple(axes)
         axes = tuple(a for a in axes if a not in used and (mesh is None or a in mesh.shape))
         if mesh is not None:
             axes = tuple(a for a in axes if mesh.shape[a] > 1)
@@ -281,10 +286,10 @@ def _table_cotangent_sharding(logical_axes, shape) -> NamedSharding | None:
         raise ValueError(f"cast_table_rows: {len(logical_axes)} names {tuple(logical_axes)} for rows of shape {shape}")
     d_spec = logical_to_spec(logical_axes[-1:], rules.params, mesh, shape[-1:])
     d_axes = d_spec[0] if len(d_spec) else None
-    taken = set((d_axes,) if isinstance(d_axes, str) else (d_axes or ()))
+    taken = set(_axes_tuple(d_axes))
     if not taken:
         return None
-    lead_table = tuple((name, tuple(a for a in ((axes,) if isinstance(axes, str) else (axes or ())) if a not in taken))
+    lead_table = tuple((name, tuple(a for a in _axes_tuple(axes) if a not in taken))
                        for name, axes in rules.activations)
     lead = tuple(logical_to_spec(logical_axes[:-1], lead_table, mesh, shape[:-1]))
     spec = P(*lead, *([None] * (len(shape) - 1 - len(lead))), d_axes)
