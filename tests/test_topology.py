@@ -280,3 +280,56 @@ def test_every_preset_compiles_for_a_v5p_slice_at_its_own_widths(preset):
     collectives = r["prediction"]["collectives"]
     assert collectives["ragged-all-to-all"]["ops"] > 0, collectives
     assert collectives.get("all-to-all", {"bytes": 0})["bytes"] < 1e4, collectives  # only sizes and offsets
+
+
+@pytest.mark.parametrize("topology, wrap", [
+    ("v5p:4x4x4", (True, True, True)), ("v5p:4x4x8", (True, True, True)), ("v4:4x4x4", (True, True, True)),
+    ("v5p:2x4x4", (False, False, False)), ("v5p:2x2x1", (False, False, False)),
+    ("v6e:8x8", (False, False, False)), ("v6e:8x16", (False, True, False)), ("v5e:16x16", (True, True, False)),
+    ("v5p:4x4", None), ("tpu:axb", None),
+])
+def test_a_slice_wraps_where_a_provisioned_one_has_wraparound_links(topology, wrap):
+    from jaxperf.train.topology import topology_wrap
+
+    assert topology_wrap(topology) == wrap
+
+
+@pytest.mark.slow
+def test_a_whole_slice_fsdp_axis_is_laid_along_the_torus_and_gathers_as_all_gathers():
+    """On 64 v5p chips (4x4x4, a torus in all three dimensions) the fsdp axis runs through the physical axes in
+    row-major order, each step along a ring of ICI neighbours, and the TPU compiler keeps a weight's gather an
+    all-gather. Described without its wraparound links, or with the chips in libtpu's listing order (2 x 2 blocks),
+    the compiler ran every such gather as a dynamic-update-slice into a zeroed buffer and an all-reduce (twice the ICI
+    bytes, a zeroed copy of the weight in temporaries)."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxperf.config import ParallelConfig
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.train.topology import topology_devices
+
+    libtpu_pythonpath()  # skips (or fails under JAXPERF_REQUIRE_LIBTPU=1) without libtpu; puts it on sys.path
+    mesh = make_mesh(ParallelConfig(strategy="fsdp"), topology_devices("v5p:4x4x4"))
+    assert mesh.shape["fsdp"] == 64
+    coords = np.array([d.coords for d in mesh.devices.flat]).reshape(4, 4, 4, 3)
+    for axis in range(3):  # along each factor of the fsdp axis one physical coordinate moves by 1 (mod 4)
+        step = (np.roll(coords, -1, axis=axis) - coords) % 4
+        moved = (step != 0).sum(-1)
+        assert (moved == 1).all() and set(step.max(-1).flat) <= {1, 3}, (axis, coords[..., :])
+
+    w = jax.ShapeDtypeStruct((1024, 4096), jnp.float32, sharding=NamedSharding(mesh, P("fsdp", None)))
+    x = jax.ShapeDtypeStruct((64, 2048, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp", None, None)))
+
+    def step(w, x):
+        def loss(w):
+            whole = jax.lax.with_sharding_constraint(w.astype(jnp.bfloat16), NamedSharding(mesh, P()))
+            return jnp.sum(jnp.square((x @ whole).astype(jnp.float32)))
+        return jax.grad(loss)(w)
+
+    hlo = jax.jit(step, out_shardings=w.sharding).lower(w, x).compile().as_text()
+    gathers = re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)
+    assert gathers, "the 64-chip weight gather was compiled as an all-reduce"

@@ -46,16 +46,42 @@ class TopologyError(RuntimeError):
     """The topology cannot be described here (no libtpu, or an unknown name)."""
 
 
+def topology_wrap(topology: str) -> tuple[bool, bool, bool] | None:
+    """Which dimensions of the slice `topology` close into rings (wraparound ICI links), as a provisioned slice has
+    them: a v4 or v5p slice is a torus in all three dimensions once each is a multiple of 4 (4x4x4 and up; smaller
+    slices are open meshes), a v5e or v6e slice wraps a dimension of 16 chips (8x16 along the 16, 16x16 both ways).
+    None for a name this does not parse (libtpu's own default then applies).
+
+    libtpu describes every slice as an open mesh unless told: on 4x4x4 the TPU compiler then cannot run a 64-chip
+    all-gather as a ring and turns each into a dynamic-update-slice of a zeroed full-size buffer plus an all-reduce
+    (twice the ICI bytes, a zeroed copy of each gathered weight in temporaries): a program no real 4x4x4 slice runs.
+    """
+    chip, _, shape = topology.partition(":")
+    try:
+        dims = [int(d) for d in shape.lower().split("x")]
+    except ValueError:
+        return None
+    if chip.lower() in ("v4", "v5p", "v5") and len(dims) == 3:
+        torus = all(d % 4 == 0 for d in dims)
+        return (torus, torus, torus)
+    if chip.lower() in ("v5e", "v6e") and len(dims) == 2:
+        return (dims[0] == 16, dims[1] == 16, False)
+    return None
+
+
 def topology_devices(topology: str, slices: int = 1) -> list:
     """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2" (or of `slices` such slices), from
-    libtpu (no TPU needed)."""
+    libtpu (no TPU needed), with the slice's wraparound links (`topology_wrap`)."""
     if ":" not in topology:
         raise TopologyError(f"topology {topology!r} should look like v5p:4x4x4 (chip:shape)")
     if importlib.util.find_spec("libtpu") is None:
         raise TopologyError(f"describing {topology!r} needs libtpu, which is not installed: pip install 'jax[tpu]' "
                             "(the version matching your jax), then retry; no TPU is needed")
     try:
-        kwargs = {"num_slices": slices} if slices > 1 else {}
+        kwargs: dict[str, Any] = {"num_slices": slices} if slices > 1 else {}
+        wrap = topology_wrap(topology)
+        if wrap is not None and any(wrap):
+            kwargs["wrap"] = wrap
         desc = topologies.get_topology_desc(topology, platform="tpu", **kwargs)
     except Exception as e:
         raise TopologyError(f"cannot describe {topology!r}: {e}") from None
