@@ -40,8 +40,9 @@ def physical_order(shape: tuple[int, ...], devices: list[jax.Device]) -> list[ja
     a whole slice (or that it cannot lay out), in their given order.
 
     A described slice (`jaxperf compile --topology`) lists its chips in libtpu's order, which walks 2 x 2 blocks: a
-    64-chip fsdp axis in that order is no ring of neighbours, and the TPU compiler turns its all-gathers into
-    all-reduces, a program that the same run on the attached slice would not get.
+    mesh axis in that order does not run along the slice's physical axes one after the other. Over 64 v5p chips the
+    TPU compiler then ran every fsdp all-gather as an all-reduce of a zeroed full-size buffer, even with the torus
+    described (`jaxperf.train.topology.topology_wrap`): a program the same run on the attached slice does not get.
     """
     if not devices or devices[0].platform != "tpu":
         return devices

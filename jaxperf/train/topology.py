@@ -52,9 +52,10 @@ def topology_wrap(topology: str) -> tuple[bool, bool, bool] | None:
     slices are open meshes), a v5e or v6e slice wraps a dimension of 16 chips (8x16 along the 16, 16x16 both ways).
     None for a name this does not parse (libtpu's own default then applies).
 
-    libtpu describes every slice as an open mesh unless told: on 4x4x4 the TPU compiler then cannot run a 64-chip
-    all-gather as a ring and turns each into a dynamic-update-slice of a zeroed full-size buffer plus an all-reduce
-    (twice the ICI bytes, a zeroed copy of each gathered weight in temporaries): a program no real 4x4x4 slice runs.
+    libtpu describes every slice as an open mesh unless told. Described so (or with the mesh in libtpu's listing
+    order, `jaxperf.parallel.mesh.physical_order`), 4x4x4 got every 64-chip fsdp all-gather compiled as a
+    dynamic-update-slice of a zeroed full-size buffer plus an all-reduce: twice the ICI bytes and a zeroed copy of
+    each gathered weight among the temporaries, a program no provisioned 4x4x4 slice runs.
     """
     chip, _, shape = topology.partition(":")
     try:
