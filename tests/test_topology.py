@@ -333,3 +333,15 @@ def test_a_whole_slice_fsdp_axis_is_laid_along_the_torus_and_gathers_as_all_gath
     hlo = jax.jit(step, out_shardings=w.sharding).lower(w, x).compile().as_text()
     gathers = re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)
     assert gathers, "the 64-chip weight gather was compiled as an all-reduce"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology, chips", [("v4:2x2x2", 8), ("v5p:2x2x1", 4), ("v5e:2x4", 8)])
+def test_a_described_slice_has_one_device_per_chip(topology, chips):
+    """v4 and v5p chips run their two TensorCores as one device (megacore), as on an attached slice: libtpu's
+    default description of v4 listed each core, twice the devices, each with half a chip's share of the program."""
+    from jaxperf.train.topology import topology_devices
+
+    libtpu_pythonpath()
+    devices = topology_devices(topology)
+    assert len(devices) == chips and len({tuple(d.coords) for d in devices}) == chips

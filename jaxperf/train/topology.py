@@ -70,9 +70,14 @@ def topology_wrap(topology: str) -> tuple[bool, bool, bool] | None:
     return None
 
 
+# Chips whose two TensorCores a slice runs as one JAX device (megacore), as JAX sees an attached v4 or v5p slice.
+# libtpu describes a v4 slice core by core unless told: "v4:2x2x2" came out as 16 devices, not 8 chips.
+MEGACORE_CHIPS = ("v4", "v5p", "v5")
+
+
 def topology_devices(topology: str, slices: int = 1) -> list:
     """The devices of a TPU slice such as "v5p:4x4x4", "v5e:4x4" or "v4:2x2x2" (or of `slices` such slices), from
-    libtpu (no TPU needed), with the slice's wraparound links (`topology_wrap`)."""
+    libtpu (no TPU needed), one per chip, with the slice's wraparound links (`topology_wrap`)."""
     if ":" not in topology:
         raise TopologyError(f"topology {topology!r} should look like v5p:4x4x4 (chip:shape)")
     if importlib.util.find_spec("libtpu") is None:
@@ -83,6 +88,8 @@ def topology_devices(topology: str, slices: int = 1) -> list:
         wrap = topology_wrap(topology)
         if wrap is not None and any(wrap):
             kwargs["wrap"] = wrap
+        if topology.split(":")[0].lower() in MEGACORE_CHIPS:
+            kwargs["chip_config_name"] = "megacore"
         desc = topologies.get_topology_desc(topology, platform="tpu", **kwargs)
     except Exception as e:
         raise TopologyError(f"cannot describe {topology!r}: {e}") from None
