@@ -46,6 +46,12 @@ class TopologyError(RuntimeError):
     """The topology cannot be described here (no libtpu, or an unknown name)."""
 
 
+# The chips of 3D slices (v4, v5p): tori from 4x4x4 up (`topology_wrap`), each chip's two TensorCores one JAX device
+# (megacore), as JAX sees an attached slice. libtpu describes a v4 slice core by core unless told: "v4:2x2x2" came
+# out as 16 devices, not 8 chips.
+MEGACORE_CHIPS = ("v4", "v5p", "v5")
+
+
 def topology_wrap(topology: str) -> tuple[bool, bool, bool] | None:
     """Which dimensions of the slice `topology` close into rings (wraparound ICI links), as a provisioned slice has
     them: a v4 or v5p slice is a torus in all three dimensions once each is a multiple of 4 (4x4x4 and up; smaller
@@ -62,17 +68,12 @@ def topology_wrap(topology: str) -> tuple[bool, bool, bool] | None:
         dims = [int(d) for d in shape.lower().split("x")]
     except ValueError:
         return None
-    if chip.lower() in ("v4", "v5p", "v5") and len(dims) == 3:
+    if chip.lower() in MEGACORE_CHIPS and len(dims) == 3:
         torus = all(d % 4 == 0 for d in dims)
         return (torus, torus, torus)
     if chip.lower() in ("v5e", "v6e") and len(dims) == 2:
         return (dims[0] == 16, dims[1] == 16, False)
     return None
-
-
-# Chips whose two TensorCores a slice runs as one JAX device (megacore), as JAX sees an attached v4 or v5p slice.
-# libtpu describes a v4 slice core by core unless told: "v4:2x2x2" came out as 16 devices, not 8 chips.
-MEGACORE_CHIPS = ("v4", "v5p", "v5")
 
 
 def topology_devices(topology: str, slices: int = 1) -> list:
@@ -88,7 +89,7 @@ def topology_devices(topology: str, slices: int = 1) -> list:
         wrap = topology_wrap(topology)
         if wrap is not None and any(wrap):
             kwargs["wrap"] = wrap
-        if topology.split(":")[0].lower() in MEGACORE_CHIPS:
+        if topology.partition(":")[0].lower() in MEGACORE_CHIPS:
             kwargs["chip_config_name"] = "megacore"
         desc = topologies.get_topology_desc(topology, platform="tpu", **kwargs)
     except Exception as e:
