@@ -164,6 +164,21 @@ def test_layer_gradients_stack_in_the_compute_dtype_on_tpu_unless_set():
     assert not compact_layer_grads(dataclasses.replace(tpu, dtype="float32"))
 
 
+def test_norm_gradients_in_the_compute_dtype_on_tpu_unless_set_or_the_pallas_norm():
+    """On TPU the XLA norms sum their scales' gradients over the rows in bf16; elsewhere in fp32; a set value stays;
+    the Pallas norm, whose kernel sums them itself, is not given the setting, and asked for it together is refused."""
+    tiny = get_config("tiny").model
+    assert [plat.for_platform(tiny, p).norm_grads_in_compute_dtype for p in ("tpu", "cpu", "gpu")] == [
+        True, False, False]
+    off = get_config("tiny", ["model.norm_grads_in_compute_dtype=false"]).model
+    assert plat.for_platform(off, "tpu").norm_grads_in_compute_dtype is False
+    pallas = get_config("tiny", ["model.norm_impl=pallas"]).model
+    assert plat.for_platform(pallas, "tpu").norm_grads_in_compute_dtype is False
+    both = get_config("tiny", ["model.norm_impl=pallas", "model.norm_grads_in_compute_dtype=true"]).model
+    with pytest.raises(ConfigError, match="norm_grads_in_compute_dtype=true needs the XLA norm"):
+        plat.for_platform(both, "tpu")
+
+
 def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
     cfg = get_config("gpt2-small")
     mesh = {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}

@@ -410,3 +410,53 @@ def test_layer_grads_stacked_in_the_compute_dtype_are_the_same_bits(extra):
         assert ((3, 64, 4), "float32") in stacks and ((3, 64, 1), "float32") in stacks  # router, shared gate
         assert ((3, 4, 64, 128), "bfloat16") in stacks  # the experts' w_in
     assert ((3, 64, 4, 16), "bfloat16") not in _reverse_scan_outputs(plain_jaxpr.jaxpr)
+
+
+@pytest.mark.parametrize("extra", [pytest.param({}, id="rmsnorm"),
+                                   pytest.param(dict(style="gpt2", norm="layernorm", use_bias=True), id="layernorm")])
+def test_norm_gradients_summed_over_the_rows_in_the_compute_dtype(extra):
+    """model.norm_grads_in_compute_dtype (the TPU default): every gradient but the norms' scales and biases is the same
+    bits; theirs are the fp32 gradient within bf16's rounding, bf16 values (what the batch's all-reduce sends), and
+    the remat-full backward loop stacks them in bf16, a cast-back value like a weight's."""
+    tokens = jax.random.randint(jax.random.key(1), (4, 32), 0, 256)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
+    cfg = dataclasses.replace(ModelConfig(**_COMPACT), layer_grads_in_compute_dtype=True, **extra)
+    plain, _ = _loss_grads(dataclasses.replace(cfg, norm_grads_in_compute_dtype=False), batch)
+    ours, jaxpr = _loss_grads(dataclasses.replace(cfg, norm_grads_in_compute_dtype=True), batch)
+    norms = 0
+    for (path, a), b in zip(jax.tree.leaves_with_path(plain), jax.tree.leaves(ours), strict=True):
+        name, a, b = jax.tree_util.keystr(path), np.asarray(a), np.asarray(b)
+        if "norm" not in name:
+            np.testing.assert_array_equal(a, b, err_msg=name)
+            continue
+        norms += 1
+        np.testing.assert_array_equal(b, b.astype(jnp.bfloat16).astype(np.float32), err_msg=name)
+        np.testing.assert_allclose(b, a, rtol=2 ** -6, atol=2 ** -6 * np.abs(a).max(), err_msg=name)
+        assert not np.array_equal(a, b), name  # rounded: the option took effect
+    assert norms == (6 if extra else 3)  # per layer stacked, and the final norm: scales (and biases)
+    stacks = _reverse_scan_outputs(jaxpr.jaxpr)
+    assert ((3, 64), "bfloat16") in stacks and ((3, 64), "float32") not in stacks
+
+
+def test_norm_gradient_in_the_compute_dtype_is_each_rows_fp32_sum_rounded_then_summed():
+    """The XLA norm's backward with grad_dtype: each row's gradient summed over its positions in fp32, rounded to
+    bf16, and the rows summed in bf16; the input's gradient is autodiff's. Built to be exact: rows of +-1 normalise
+    to themselves (eps 0) and integer cotangents sum to integers past bf16's 256, so each rounding shows."""
+    from jaxperf.models.layers import xla_norm
+
+    x = jnp.where(jax.random.bernoulli(jax.random.key(0), 0.9, (2, 16, 32)), 1.0, -1.0).astype(jnp.bfloat16)
+    w = jax.random.randint(jax.random.key(1), (2, 16, 32), 50, 101).astype(jnp.float32)
+    scale = 1 + 0.1 * jax.random.normal(jax.random.key(2), (32,))
+
+    def loss(scale, x, grad_dtype):
+        y = xla_norm(x, scale, None, kind="rmsnorm", eps=0.0, grad_dtype=grad_dtype)
+        return jnp.sum(y.astype(jnp.float32) * w)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=2)
+    (ds_plain, dx_plain), (ds, dx) = grad(scale, x, None), grad(scale, x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(dx), np.asarray(dx_plain))
+    rows = (np.asarray(w) * np.asarray(x, np.float32)).sum(1)  # [2, 32] exact integers
+    bf = lambda v: np.asarray(v, np.float32).astype(jnp.bfloat16).astype(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(ds_plain), rows.sum(0))
+    np.testing.assert_array_equal(np.asarray(ds), bf(bf(rows[0]) + bf(rows[1])))
+    assert not np.array_equal(bf(rows.sum(0)), bf(bf(rows[0]) + bf(rows[1])))  # the rows' rounding is seen

@@ -47,7 +47,8 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     # (the loss's output weights gathered once; the 1 MiB MLP weights under the size that gathers them whole)
     assert r["settled"] == {"matmul_grad_barrier": False, "scan_unroll": 1, "keep_head_dims": True,
                             "round_weights_before_cast": True, "layer_grads_in_compute_dtype": True,
-                            "gather_mlp_weights": False, "loss_gather_once": True, "ragged_all_to_all": True}, r
+                            "norm_grads_in_compute_dtype": True, "gather_mlp_weights": False,
+                            "loss_gather_once": True, "ragged_all_to_all": True}, r
     p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
     assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9
@@ -333,6 +334,42 @@ def test_a_whole_slice_fsdp_axis_is_laid_along_the_torus_and_gathers_as_all_gath
     hlo = jax.jit(step, out_shardings=w.sharding).lower(w, x).compile().as_text()
     gathers = re.findall(r"= \S+ all-gather(?:-start)?\(", hlo)
     assert gathers, "the 64-chip weight gather was compiled as an all-reduce"
+
+
+@pytest.mark.slow
+def test_the_norm_scales_gradient_is_reduced_over_the_batch_in_bf16_on_tpu():
+    """With grad_dtype (model.norm_grads_in_compute_dtype, the TPU default) the TPU program's all-reduce of a norm
+    scale's gradient over the batch's devices sends bf16, half the bytes of the fp32 one autodiff's sum gives. (XLA:CPU
+    runs every bf16 all-reduce in fp32, so only the TPU compiler shows it.)"""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxperf.config import ParallelConfig
+    from jaxperf.models.layers import xla_norm
+    from jaxperf.parallel.mesh import make_mesh
+    from jaxperf.train.topology import topology_devices
+
+    libtpu_pythonpath()
+    mesh = make_mesh(ParallelConfig(strategy="fsdp"), topology_devices("v5p:2x2x2"))
+    rows = NamedSharding(mesh, P("fsdp"))
+    x = jax.ShapeDtypeStruct((16, 32, 256), jnp.bfloat16, sharding=rows)
+    w = jax.ShapeDtypeStruct((16, 32, 256), jnp.float32, sharding=rows)
+    scale = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def scale_grad(scale, x, w, grad_dtype):
+        def loss(scale):
+            y = xla_norm(x, scale, None, kind="rmsnorm", eps=1e-6, grad_dtype=grad_dtype)
+            return jnp.sum(y.astype(jnp.float32) * w)
+        return jax.grad(loss)(scale)
+
+    reduced = {}
+    for grad_dtype in (None, jnp.bfloat16):
+        hlo = jax.jit(scale_grad, static_argnums=3).lower(scale, x, w, grad_dtype).compile().as_text()
+        reduced[grad_dtype] = re.findall(r"= (\w+)\[256\][^\n]*? all-reduce(?:-start)?\(", hlo)
+    assert reduced == {None: ["f32"], jnp.bfloat16: ["bf16"]}, reduced
 
 
 @pytest.mark.slow

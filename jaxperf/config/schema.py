@@ -109,6 +109,11 @@ class ModelConfig:
     # and casts the stacks to param_dtype after the loop: the same bits, half the gradient stacks at the backward's
     # peak (jaxperf.models.layer_scan). None: the platform's choice (jaxperf.models.platform): on TPU
     layer_grads_in_compute_dtype: bool | None = None
+    # The norms' scale and bias gradients summed over the batch rows in the compute dtype: each row's fp32 sum over
+    # its positions, rounded, then summed over the rows, so the all-reduce over the batch's devices sends bf16, as
+    # MaxText's (whose norms multiply by the scale in bf16) does; the forward stays fp32 (the XLA norm; refused with
+    # norm_impl=pallas). None: the platform's choice (jaxperf.models.platform): on TPU
+    norm_grads_in_compute_dtype: bool | None = None
     # Gather each MLP weight whole before its matmul and send its gradient straight back to the weight's own sharding
     # (jaxperf.parallel.rules.gather_weight), rather than leave the compiler to gather it window by window inside the
     # matmul. None: the platform's choice (jaxperf.models.platform): on TPU for weights of 4 MiB or more, where the

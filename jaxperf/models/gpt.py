@@ -17,7 +17,8 @@ from flax import nnx
 
 from jaxperf.config import ModelConfig, validate_model
 from jaxperf.models import kernels
-from jaxperf.models.layers import REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup, remat_policy
+from jaxperf.models.layers import (REMAT_POLICIES, Block, Norm, _param, dense, embed_lookup, norm_grad_dtype,
+                                   remat_policy)
 from jaxperf.models.hooks import DEFAULT_HOOKS, ContextSpec, LayerHooks, PipelineSpec
 from jaxperf.models.layer_scan import remat_full_scan
 from jaxperf.models.moe import STATS, MoE, MoeStats, is_moe_layer
@@ -81,7 +82,7 @@ class GPT(nnx.Module):
         else:
             self.blocks = nnx.List([_block(cfg, rngs, i) for i in range(cfg.n_layers)])
         self.final_norm = Norm(D, cfg.norm, eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=pd, rngs=rngs,
-                               impl=cfg.norm_impl, platform=cfg.platform)
+                               impl=cfg.norm_impl, platform=cfg.platform, grad_dtype=norm_grad_dtype(cfg))
         self.head_DxV = None if cfg.tie_embeddings else _param(rngs, init, (D, V), ("embed", "vocab"), pd)
 
     def embed(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:

@@ -8,6 +8,7 @@ A weight may also be an int8 `jaxperf.models.quant.Int8Weight`: `dense` and `emb
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -199,35 +200,85 @@ class Norm(nnx.Module):
     `impl`: any norm implementation of jaxperf.models.registry ("xla", "pallas"; "auto" in a config never settled is
     "xla"), built for `platform` (the model config's settled platform). With `residual`, normalises x + residual and returns (normed, x + residual): the pre-norm
     residual pattern, fused into one pass by the Pallas kernel.
+
+    `grad_dtype` (model.norm_grads_in_compute_dtype): the XLA norm sums its scale's and bias's gradients over the
+    batch rows in this dtype (`xla_norm`); None keeps fp32 throughout.
     """
 
     def __init__(self, dim: int, kind: str, *, eps: float, use_bias: bool, param_dtype, rngs: nnx.Rngs,
-                 impl: str = "auto", platform: str | None = None):
+                 impl: str = "auto", platform: str | None = None, grad_dtype=None):
         self.kind, self.eps, self.impl, self.platform = kind, eps, impl, platform
+        self.grad_dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
         self.scale = _param(rngs, _ones, (dim,), ("norm",), param_dtype)
         self.bias = _param(rngs, _zeros, (dim,), ("norm",), param_dtype) if use_bias and kind == "layernorm" else None
 
     def __call__(self, x_BxLxD: jax.Array, residual: jax.Array | None = None):
         norm = implementation("norm", self.impl, x_BxLxD, platform=self.platform)
         bias = None if self.bias is None else self.bias[...]
+        # the Pallas kernel sums its own gradients (model.norm_grads_in_compute_dtype is refused with norm_impl=pallas)
+        extra = {"grad_dtype": self.grad_dtype} if self.grad_dtype is not None and norm is xla_norm else {}
         return norm(x_BxLxD, self.scale[...], bias, kind=self.kind, eps=self.eps, residual=residual,
-                    platform=self.platform)
+                    platform=self.platform, **extra)
 
 
-def xla_norm(x_BxLxD, scale, bias, *, kind: str, eps: float, residual=None, platform=None):
+def norm_grad_dtype(cfg):
+    """The dtype the norms sum their scales' gradients over the batch rows in: the compute dtype with
+    model.norm_grads_in_compute_dtype, else None (fp32)."""
+    return jnp.dtype(cfg.dtype) if cfg.norm_grads_in_compute_dtype else None
+
+
+def xla_norm(x_BxLxD, scale, bias, *, kind: str, eps: float, residual=None, platform=None, grad_dtype=None):
     """LayerNorm or RMSNorm over the last dim in fp32 (the "xla" norm impl); with `residual`, of x + residual,
-    returning (normed, x + residual)."""
+    returning (normed, x + residual).
+
+    `grad_dtype` (a [B, L, D] input): the same forward, but the scale's and bias's gradients are each row's fp32 sum
+    over its positions, rounded to `grad_dtype` and summed over the rows there (`_affine`), so that the reduction
+    over the batch's devices sends `grad_dtype` values (bf16: half the bytes; MaxText, which multiplies by the scale
+    in bf16, reduces bf16 gradients too).
+    """
     if residual is not None:
         h = x_BxLxD + residual
-        return xla_norm(h, scale, bias, kind=kind, eps=eps), h
+        return xla_norm(h, scale, bias, kind=kind, eps=eps, grad_dtype=grad_dtype), h
     x = x_BxLxD.astype(jnp.float32)
     if kind == "layernorm":
         x = x - jnp.mean(x, axis=-1, keepdims=True)
     x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-    x = x * _bcast(scale.astype(jnp.float32), x.ndim)
+    scale = scale.astype(jnp.float32)
+    bias = None if bias is None else bias.astype(jnp.float32)
+    if grad_dtype is not None and x.ndim >= 3:
+        return _affine(x, scale, bias, jnp.dtype(grad_dtype)).astype(x_BxLxD.dtype)
+    x = x * _bcast(scale, x.ndim)
     if bias is not None:
-        x = x + _bcast(bias.astype(jnp.float32), x.ndim)
+        x = x + _bcast(bias, x.ndim)
     return x.astype(x_BxLxD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _affine(x, scale, bias, grad_dtype):
+    """x * scale (+ bias) over the last dim of an fp32 [B, ..., D] x, whose backward sums the scale's and bias's
+    gradients over the rows B in `grad_dtype` (each row's positions in fp32 first)."""
+    y = x * _bcast(scale, x.ndim)
+    return y if bias is None else y + _bcast(bias, x.ndim)
+
+
+def _affine_fwd(x, scale, bias, grad_dtype):
+    return _affine(x, scale, bias, grad_dtype), (x, scale, bias is not None)
+
+
+def _rows_sum(g, dtype):
+    # fp32 over each row's positions, then `dtype` over the rows: the sum over B, where the batch's devices meet, is
+    # a reduce in `dtype`, so the partitioner's all-reduce of it is too
+    per_row = jnp.sum(g, axis=tuple(range(1, g.ndim - 1))).astype(dtype)
+    return jax.lax.reduce(per_row, jnp.zeros((), dtype), jax.lax.add, (0,)).astype(jnp.float32)
+
+
+def _affine_bwd(grad_dtype, res, ct):
+    x, scale, has_bias = res
+    dscale = _rows_sum(ct * x, grad_dtype)
+    return ct * _bcast(scale, x.ndim), dscale, (_rows_sum(ct, grad_dtype) if has_bias else None)
+
+
+_affine.defvjp(_affine_fwd, _affine_bwd)
 
 
 register("norm", "xla", xla_norm)
@@ -452,7 +503,7 @@ class Block(nnx.Module):
 
     def __init__(self, cfg, *, rngs: nnx.Rngs, make_mlp=None):
         kw = dict(eps=cfg.norm_eps, use_bias=cfg.use_bias, param_dtype=jnp.dtype(cfg.param_dtype), rngs=rngs,
-                  impl=cfg.norm_impl, platform=cfg.platform)
+                  impl=cfg.norm_impl, platform=cfg.platform, grad_dtype=norm_grad_dtype(cfg))
         self.attn_norm = Norm(cfg.d_model, cfg.norm, **kw)
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = Norm(cfg.d_model, cfg.norm, **kw)

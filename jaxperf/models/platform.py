@@ -18,6 +18,7 @@ Fields `settle` fills:
 | keep_head_dims (None) | True on TPU (the attention projections keep [D, H, Dh]: the backward gathers each weight once, llama2-7b on v5p 1708 -> 1449 GB of HBM traffic per step), False elsewhere |
 | round_weights_before_cast (None) | True on TPU (each layer rounds its fp32 weight slice to bf16 bits before the cast, so the compiler makes no bf16 copy of the whole stacked weights before the layer loop: llama2-7b on 16 v5p chips 11.84 -> 11.03 GB per chip), False elsewhere |
 | layer_grads_in_compute_dtype (None) | True on TPU (remat full over scanned layers: each layer's weight gradients stacked in bf16 inside the backward loop, cast to fp32 after it, the same bits; llama2-7b on v6e:4x4 at 2 x 4096: 10.59 -> 9.82 GB per chip), False elsewhere |
+| norm_grads_in_compute_dtype (None) | True on TPU unless norm_impl is pallas (the norms' scale gradients summed over the batch rows in bf16 after fp32 sums within each row, so their all-reduce sends half the bytes, as MaxText's: mistral-7b and llama3-8b on v6e:8x8 at 1 x 2048, collective-bound: 1.000018x -> 0.999999998x MaxText's predicted step), False elsewhere |
 | gather_mlp_weights (None) | True on TPU for MLP weights of 4 MiB or more in the compute dtype (each gathered whole before its matmul, its gradient reduce-scattered straight back, where the compiler would gather it window by window: llama2-7b on v6e:2x4 at 1 x 2048 per chip, predicted step 0.155 -> 0.125 s; `GATHER_MLP_MIN_BYTES` says why not below), False elsewhere |
 | loss_gather_once (None) | True on TPU (the chunked loss under FSDP gathers the output weights whole once per microbatch and keeps them for its backward, where it gathered each vocabulary block in both passes: llama3-8b on v6e:8x8 at 1 x 2048 per chip, 60.2 -> 59.2 GB over ICI, predicted step 0.1344 -> 0.1321 s, collective-bound; on v6e:2x4 the same bytes per chip), False elsewhere |
 | ragged_all_to_all (None) | True on TPU (dropless expert parallelism sends only the token slots routed, `jax.lax.ragged_all_to_all`: Mixtral-8x7B over expert=8 on v5p, 45.1 -> 11.5 GB of all-to-all a step as the compiled program predicts under balanced routing), False on CPU, whose XLA has none, and on GPU, where it has not run (one block of the worst case to every device; true asks for it) |
@@ -94,7 +95,8 @@ class Choice:
 
 # The model fields whose None `for_platform` settles; `jaxperf compile` reports each as settled.
 PLATFORM_FIELDS = ("matmul_grad_barrier", "scan_unroll", "keep_head_dims", "round_weights_before_cast",
-                   "layer_grads_in_compute_dtype", "gather_mlp_weights", "loss_gather_once", "ragged_all_to_all")
+                   "layer_grads_in_compute_dtype", "norm_grads_in_compute_dtype", "gather_mlp_weights",
+                   "loss_gather_once", "ragged_all_to_all")
 
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
@@ -115,6 +117,12 @@ def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
         changes["round_weights_before_cast"] = platform == "tpu"
     if cfg.layer_grads_in_compute_dtype is None:
         changes["layer_grads_in_compute_dtype"] = platform == "tpu"
+    if cfg.norm_grads_in_compute_dtype is None:
+        changes["norm_grads_in_compute_dtype"] = platform == "tpu" and cfg.norm_impl != "pallas"
+    elif cfg.norm_grads_in_compute_dtype and cfg.norm_impl == "pallas":
+        raise ConfigError("model.norm_grads_in_compute_dtype=true needs the XLA norm, but model.norm_impl=pallas "
+                          "(its kernel sums the scale's gradient itself): set model.norm_impl=xla or leave "
+                          "model.norm_grads_in_compute_dtype unset")
     if cfg.gather_mlp_weights is None:
         changes["gather_mlp_weights"] = platform == "tpu" and mlp_weight_bytes(cfg) >= GATHER_MLP_MIN_BYTES
     if cfg.loss_gather_once is None:
