@@ -436,6 +436,9 @@ def test_norm_gradients_summed_over_the_rows_in_the_compute_dtype(extra):
     assert norms == (6 if extra else 3)  # per layer stacked, and the final norm: scales (and biases)
     stacks = _reverse_scan_outputs(jaxpr.jaxpr)
     assert ((3, 64), "bfloat16") in stacks and ((3, 64), "float32") not in stacks
+    from jaxperf.models.layers import norm_grad_dtype  # an fp32 compute dtype has nothing to halve: autodiff's sum
+
+    assert norm_grad_dtype(dataclasses.replace(cfg, norm_grads_in_compute_dtype=True, dtype="float32")) is None
 
 
 def test_norm_gradient_in_the_compute_dtype_is_each_rows_fp32_sum_rounded_then_summed():

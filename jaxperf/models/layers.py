@@ -223,8 +223,9 @@ class Norm(nnx.Module):
 
 def norm_grad_dtype(cfg):
     """The dtype the norms sum their scales' gradients over the batch rows in: the compute dtype with
-    model.norm_grads_in_compute_dtype, else None (fp32)."""
-    return jnp.dtype(cfg.dtype) if cfg.norm_grads_in_compute_dtype else None
+    model.norm_grads_in_compute_dtype where it is narrower than fp32, else None (fp32, autodiff's sum)."""
+    dtype = jnp.dtype(cfg.dtype)
+    return dtype if cfg.norm_grads_in_compute_dtype and dtype.itemsize < 4 else None
 
 
 def xla_norm(x_BxLxD, scale, bias, *, kind: str, eps: float, residual=None, platform=None, grad_dtype=None):
