@@ -180,3 +180,15 @@ def test_compiler_options_parse_to_typed_values_and_refuse_what_cannot_work():
     assert compiler_options(("xla_gpu_enable_triton_gemm=false",), "tpu") == {"xla_gpu_enable_triton_gemm": False}
     with pytest.raises(ConfigError, match="is not name=value"):
         validate(get_config("tiny", ["compiler_options=oops"]), 1)
+
+
+def test_mlp_slices_must_cut_the_width_evenly_and_keep_it_whole_on_a_device():
+    validate(get_config("tiny", ["model.mlp_slices=4"]), 1)  # tiny's mlp_dim 512
+    with pytest.raises(ConfigError, match=r"model.mlp_slices=3 does not cut model.mlp_dim=512 into equal slices: "
+                                          r"use one of \[1, 2, 4, 8, 16, 32, 64\]"):
+        validate(get_config("tiny", ["model.mlp_slices=3"]), 1)
+    with pytest.raises(ConfigError, match=r"model.mlp_slices=0 does not cut"):
+        validate(get_config("tiny", ["model.mlp_slices=0"]), 1)
+    with pytest.raises(ConfigError, match=r"model.mlp_slices=2 slices the MLP's hidden width, which "
+                                          r"parallel.tensor=2 splits"):
+        validate(get_config("tiny", ["model.mlp_slices=2", "parallel.tensor=2", "parallel.strategy=tp"]), 2)

@@ -179,6 +179,29 @@ def test_norm_gradients_in_the_compute_dtype_on_tpu_unless_set_or_the_pallas_nor
         plat.for_platform(both, "tpu")
 
 
+def test_mlp_slices_settled_from_the_hidden_values_per_device_on_tpu():
+    """On TPU under remat full the MLP runs in the fewest slices of whole 128-lane tiles that keep one slice's hidden
+    values per device at MLP_SLICE_BYTES or less; not with other remats, a tensor-split width, or off TPU."""
+    llama = get_config("tiny", ["model.d_model=4096", "model.mlp_dim=11008", "model.dtype=bfloat16",
+                                "model.remat=full"]).model.resolved()
+    choice = lambda tokens, **kw: plat.mlp_slices_choice(  # noqa: E731
+        kw.pop("platform", "tpu"), tokens_per_device=tokens, model=kw.pop("model", llama), **kw)
+    assert choice(2048) == 1 and choice(4096) == 1  # 86 MiB
+    assert choice(8192) == 2  # 172 MiB in two slices of 5504 (11008 cuts into tiles only by 2 up to 8)
+    assert choice(32768) == 2  # no more tiled slices to take
+    mistral = dataclasses.replace(llama, mlp_dim=14336)
+    assert choice(16384, model=mistral) == 4  # 448 MiB: 4 x 112
+    assert choice(8192, platform="gpu") == choice(8192, platform="cpu") == 1
+    assert choice(8192, tensor=2) == 1
+    assert choice(8192, model=dataclasses.replace(llama, remat="save_dots")) == 1
+    cfg = get_config("tiny", ["model.d_model=4096", "model.mlp_dim=11008", "model.dtype=bfloat16", "model.remat=full",
+                              "batch_size=128", "seq_len=4096", "model.max_seq_len=4096"])
+    assert plat.settle(cfg, {"fsdp": 64}, "tpu").mlp_slices == 2  # 2 rows of 4096 a device
+    assert plat.settle(cfg, {"fsdp": 64}, "cpu").mlp_slices == 1
+    fixed = get_config("tiny", ["model.mlp_slices=4"])
+    assert plat.settle(fixed, {"fsdp": 8}, "tpu").mlp_slices == 4  # a set value stays
+
+
 def test_settle_leaves_nothing_to_the_platform_and_the_log_line_names_it():
     cfg = get_config("gpt2-small")
     mesh = {"data": 1, "stage": 1, "fsdp": 4, "seq": 1, "tensor": 1}

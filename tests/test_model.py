@@ -463,3 +463,47 @@ def test_norm_gradient_in_the_compute_dtype_is_each_rows_fp32_sum_rounded_then_s
     np.testing.assert_array_equal(np.asarray(ds_plain), rows.sum(0))
     np.testing.assert_array_equal(np.asarray(ds), bf(bf(rows[0]) + bf(rows[1])))
     assert not np.array_equal(bf(rows.sum(0)), bf(bf(rows[0]) + bf(rows[1])))  # the rows' rounding is seen
+
+@pytest.mark.parametrize("extra", [pytest.param({}, id="swiglu"),
+                                   pytest.param(dict(style="gpt2", norm="layernorm", use_bias=True), id="gelu_bias")])
+def test_mlp_in_slices_of_its_width_gives_the_plain_mlps_loss_and_gradients(extra):
+    """model.mlp_slices (remat full): the MLP computed over 4 slices of its hidden width, each slice's hidden values
+    live in turn, gives the plain MLP's loss and every gradient (fp32: summation order only); without remat full the
+    setting leaves the plain MLP in place."""
+    from jaxperf.models.layers import MLP
+
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    batch = {"inputs": tokens, "targets": jnp.roll(tokens, -1, 1)}
+    cfg = dataclasses.replace(ModelConfig(**_COMPACT), dtype="float32", **extra)
+    (plain, _), (sliced, jaxpr) = (_loss_grads(dataclasses.replace(cfg, mlp_slices=n), batch) for n in (1, 4))
+    for (path, a), b in zip(jax.tree.leaves_with_path(plain), jax.tree.leaves(sliced), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        # (a key bias's gradient is zero up to rounding, ~1e-11: the absolute floor)
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=max(1e-6 * np.abs(a).max(), 1e-8),
+                                   err_msg=jax.tree_util.keystr(path))
+    assert "length=4" in str(jaxpr)  # the sliced path ran: its backward's loop over the 4 slices (3 layers)
+    assert MLP(dataclasses.replace(cfg, mlp_slices=4), rngs=nnx.Rngs(0)).slices == 4
+    assert MLP(dataclasses.replace(cfg, mlp_slices=4, remat="save_dots"), rngs=nnx.Rngs(0)).slices == 1
+
+
+def test_sliced_mlp_weight_gradients_are_the_plain_matmuls():
+    """In bf16 each weight gradient slice is one contraction over the tokens, as the plain MLP's: the same values up
+    to the compiler's accumulation; the input's gradient sums the slices in fp32."""
+    from jaxperf.models.layers import sliced_mlp
+
+    k = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(k[0], (2, 16, 64), jnp.bfloat16)
+    w_in, w_gate = (0.1 * jax.random.normal(k[i], (64, 256), jnp.bfloat16) for i in (1, 2))
+    w_out = 0.1 * jax.random.normal(k[3], (256, 64), jnp.bfloat16)
+    dy = jax.random.normal(k[4], (2, 16, 64), jnp.bfloat16)
+
+    def plain(x, w_in, w_gate, w_out):
+        return (jax.nn.silu(x @ w_gate) * (x @ w_in)) @ w_out
+
+    y0, vjp0 = jax.vjp(plain, x, w_in, w_gate, w_out)
+    y1, vjp1 = jax.vjp(lambda *a: sliced_mlp(*a, None, "swiglu", 4), x, w_in, w_gate, w_out)
+    np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y0, np.float32), rtol=2e-2, atol=2e-2)
+    for name, a, b in zip(("x", "w_in", "w_gate", "w_out"), vjp0(dy), vjp1(dy)):
+        assert a.dtype == b.dtype == jnp.bfloat16, name
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max(), err_msg=name)

@@ -48,7 +48,7 @@ def test_compile_for_a_v5p_slice_reports_memory_and_flops_per_chip():
     assert r["settled"] == {"matmul_grad_barrier": False, "scan_unroll": 1, "keep_head_dims": True,
                             "round_weights_before_cast": True, "layer_grads_in_compute_dtype": True,
                             "norm_grads_in_compute_dtype": True, "gather_mlp_weights": False,
-                            "loss_gather_once": True, "ragged_all_to_all": True}, r
+                            "loss_gather_once": True, "ragged_all_to_all": True, "mlp_slices": 1}, r
     p = r["prediction"]  # the step time read off the compiled program (jaxperf.perf.predict)
     assert r["predicted_step_s"] == p["step_s"] == max(p["compute_s"], p["hbm_s"], p["collective_s"]) > 0
     assert 0 < r["predicted_mfu"] <= r["model_flops_per_chip"] / r["flops_per_chip"] + 1e-9

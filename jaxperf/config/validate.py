@@ -100,6 +100,10 @@ def validate_model(m: ModelConfig) -> ModelConfig:
     if r.scan_unroll is not None and r.scan_unroll < 1:
         raise ConfigError(f"model.scan_unroll={r.scan_unroll} must be at least 1 (layers per scan iteration; "
                           f"{r.n_layers} unrolls all of them)")
+    if r.mlp_slices is not None and (r.mlp_slices < 1 or r.mlp_dim % r.mlp_slices):
+        divisors = [d for d in range(1, min(r.mlp_dim, 64) + 1) if r.mlp_dim % d == 0]
+        raise ConfigError(f"model.mlp_slices={r.mlp_slices} does not cut model.mlp_dim={r.mlp_dim} into equal slices: "
+                          f"use one of {divisors}")
     _validate_remat(r)
     _validate_moe(r)
     return r
@@ -280,6 +284,10 @@ def validate(cfg: TrainConfig, num_devices: int, shape: dict[str, int] | None = 
         if not m.scan_layers:
             raise ConfigError("parallel.stage > 1 needs model.scan_layers=true (the pipeline splits the stacked "
                               "layers over the stages)")
+    if (m.mlp_slices or 1) > 1 and shape["tensor"] > 1:
+        raise ConfigError(f"model.mlp_slices={m.mlp_slices} slices the MLP's hidden width, which "
+                          f"parallel.tensor={shape['tensor']} splits over devices: set model.mlp_slices=1 (or leave it "
+                          f"unset) or parallel.tensor=1")
     if shape["expert"] > 1 and (not m.n_experts or m.n_experts % shape["expert"]):
         raise ConfigError(f"parallel.expert={shape['expert']} splits the experts over {shape['expert']} devices but "
                           f"model.n_experts={m.n_experts}: "

@@ -436,6 +436,85 @@ def decode_attention(q_Bx1xHxDh, k_cache_BxKxSxDh, v_cache_BxKxSxDh, lengths_B):
     return out.reshape(B, 1, H, Dh).astype(q_Bx1xHxDh.dtype)
 
 
+def _act(act: str):
+    """The MLP's activation on (h, gate): SwiGLU silu(gate) * h, or GELU of h (gate None)."""
+    if act == "swiglu":
+        return lambda h, gate: jax.nn.silu(gate) * h
+    return lambda h, gate: jax.nn.gelu(h, approximate=act != "gelu_exact")
+
+
+def _contract(a, b, dims, out=jnp.float32):
+    # a matmul of compute-dtype operands; fp32 out where slices' partial sums are added up, else the operands' dtype
+    # (the plain matmul's output: a weight gradient sent over ICI in it)
+    return jax.lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def sliced_mlp(x, w_in, w_gate, w_out, b_in, act: str, slices: int):
+    """The MLP x [..., D] -> [..., D] (w_in, w_gate [D, F], w_out [F, D], b_in [F]; w_gate and b_in may be None)
+    computed over `slices` equal slices of its hidden width F in turn: each slice's hidden values are live only
+    while it is computed, and the output sums the slices in fp32.
+
+    The backward keeps x and the weights only and computes each slice again (under remat full the layer's
+    backward recomputes its forward anyway, and XLA drops that recomputed output as unused); each weight gradient is
+    written slice by slice, whole in one contraction over the tokens, so its values are the plain MLP's; the input's
+    gradient sums the slices in fp32.
+    """
+    return _sliced_fwd(x, w_in, w_gate, w_out, b_in, act, slices)[0]
+
+
+def _slice(w, c, f, axis):
+    return None if w is None else jax.lax.dynamic_slice_in_dim(w, c * f, f, axis=axis)
+
+
+def _sliced_fwd(x, w_in, w_gate, w_out, b_in, act, slices):
+    f = w_in.shape[1] // slices
+    fn, lead = _act(act), x.ndim - 1
+
+    def body(c, y):
+        h = _contract(x, _slice(w_in, c, f, 1), ((lead,), (0,)), x.dtype)
+        if b_in is not None:
+            h = h + _bcast(_slice(b_in, c, f, 0), h.ndim)
+        gate = None if w_gate is None else _contract(x, _slice(w_gate, c, f, 1), ((lead,), (0,)), x.dtype)
+        return y + _contract(fn(h, gate), _slice(w_out, c, f, 0), ((lead,), (0,)))
+
+    y = jax.lax.fori_loop(0, slices, body, jnp.zeros((*x.shape[:-1], w_out.shape[1]), jnp.float32))
+    return y.astype(x.dtype), (x, w_in, w_gate, w_out, b_in)
+
+
+def _sliced_bwd(act, slices, res, dy):
+    x, w_in, w_gate, w_out, b_in = res
+    f = w_in.shape[1] // slices
+    fn, lead = _act(act), x.ndim - 1
+    rows = tuple(range(lead))
+
+    def body(dx, c):
+        wi, wg, wo = _slice(w_in, c, f, 1), _slice(w_gate, c, f, 1), _slice(w_out, c, f, 0)
+        h = _contract(x, wi, ((lead,), (0,)), x.dtype)
+        if b_in is not None:
+            h = h + _bcast(_slice(b_in, c, f, 0), h.ndim)
+        gate = None if wg is None else _contract(x, wg, ((lead,), (0,)), x.dtype)
+        a, act_vjp = jax.vjp(fn, h, gate)
+        dh, dgate = act_vjp(_contract(dy, wo, ((lead,), (1,)), dy.dtype))
+        dx = dx + _contract(dh, wi, ((lead,), (1,)))
+        grads = {"in": _contract(x, dh, (rows, rows), w_in.dtype), "out": _contract(a, dy, (rows, rows), w_out.dtype)}
+        if wg is not None:
+            dx = dx + _contract(dgate, wg, ((lead,), (1,)))
+            grads["gate"] = _contract(x, dgate, (rows, rows), w_gate.dtype)
+        if b_in is not None:
+            grads["b"] = jnp.sum(dh, rows, dtype=jnp.float32).astype(b_in.dtype)
+        return dx, grads
+
+    # each weight gradient comes out of the loop whole ([slices, D, f] -> [D, F]), so the step reduces it once
+    dx, g = jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), jnp.arange(slices))
+    columns = lambda s_DxF: jnp.moveaxis(s_DxF, 0, 1).reshape(s_DxF.shape[1], -1)  # noqa: E731
+    return (dx.astype(x.dtype), columns(g["in"]), columns(g["gate"]) if "gate" in g else None,
+            g["out"].reshape(w_out.shape), g["b"].reshape(b_in.shape) if "b" in g else None)
+
+
+sliced_mlp.defvjp(_sliced_fwd, _sliced_bwd)
+
+
 class MLP(nnx.Module):
     """GELU MLP (GPT-2) or SwiGLU (Llama).
 
@@ -455,6 +534,7 @@ class MLP(nnx.Module):
         self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
         self.gather_weights = bool(cfg.gather_mlp_weights)  # see `jaxperf.parallel.rules.gather_weight`
         self.scanned = bool(cfg.scan_layers)
+        self.slices = int(cfg.mlp_slices or 1) if cfg.remat == "full" else 1  # see `sliced_mlp`
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
@@ -474,8 +554,28 @@ class MLP(nnx.Module):
         return jax.checkpoint(lambda x, w: fn(x, gather_weight(w, logical_axes)),
                               prevent_cse=not self.scanned)(x, w)
 
+    def _sliced(self, x_BxLxD, hooks: LayerHooks) -> jax.Array:
+        """The MLP over `self.slices` slices of its hidden width (`sliced_mlp`), each weight gathered whole first
+        where gather_mlp_weights says so."""
+        dt = x_BxLxD.dtype
+
+        def weight(w, axes):
+            w = to_compute(w[...], dt, round_first=self.round_weights)
+            return gather_weight(w, axes) if self.gather_weights and gathers(w, axes) else w
+
+        w_in = weight(self.w_in_DxF, ("embed", "mlp"))
+        w_gate = None if self.w_gate_DxF is None else weight(self.w_gate_DxF, ("embed", "mlp"))
+        b_in = None if self.bias_in_F is None else self.bias_in_F[...].astype(dt)
+        y = sliced_mlp(x_BxLxD, w_in, w_gate, weight(self.w_out_FxD, ("mlp", "embed")), b_in, self.act, self.slices)
+        y = hooks.row_parallel(y)
+        if self.bias_out_D is not None:
+            y = y + _bcast(self.bias_out_D[...].astype(dt), y.ndim)
+        return checkpoint_name(y, "mlpwo")
+
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
+        if self.slices > 1 and hooks.sequence_parallel is None:
+            return self._sliced(x_BxLxD, hooks)
         def column(x, w):
             return _column(x, w, hooks, self.grad_barrier)
 

@@ -19,6 +19,7 @@ Fields `settle` fills:
 | round_weights_before_cast (None) | True on TPU (each layer rounds its fp32 weight slice to bf16 bits before the cast, so the compiler makes no bf16 copy of the whole stacked weights before the layer loop: llama2-7b on 16 v5p chips 11.84 -> 11.03 GB per chip), False elsewhere |
 | layer_grads_in_compute_dtype (None) | True on TPU (remat full over scanned layers: each layer's weight gradients stacked in bf16 inside the backward loop, cast to fp32 after it, the same bits; llama2-7b on v6e:4x4 at 2 x 4096: 10.59 -> 9.82 GB per chip), False elsewhere |
 | norm_grads_in_compute_dtype (None) | True on TPU unless norm_impl is pallas (the norms' scale gradients summed over the batch rows in bf16 after fp32 sums within each row, so their all-reduce sends half the bytes, as MaxText's: mistral-7b and llama3-8b on v6e:8x8 at 1 x 2048, collective-bound: 1.000018x -> 0.999999998x MaxText's predicted step), False elsewhere |
+| mlp_slices (None) | on TPU under remat full, with the MLP's width whole on each device: the fewest equal slices of whole 128-lane tiles (`mlp_slices_choice`) that keep one slice's hidden values per device at 128 MiB or less (`sliced_mlp` computes them in turn: llama2-7b on v5e:8x8 at 2 x 4096 per chip, 5.418 -> 5.261 GB per chip, the same predicted step and ICI); 1 elsewhere |
 | gather_mlp_weights (None) | True on TPU for MLP weights of 4 MiB or more in the compute dtype (each gathered whole before its matmul, its gradient reduce-scattered straight back, where the compiler would gather it window by window: llama2-7b on v6e:2x4 at 1 x 2048 per chip, predicted step 0.155 -> 0.125 s; `GATHER_MLP_MIN_BYTES` says why not below), False elsewhere |
 | loss_gather_once (None) | True on TPU (the chunked loss under FSDP gathers the output weights whole once per microbatch and keeps them for its backward, where it gathered each vocabulary block in both passes: llama3-8b on v6e:8x8 at 1 x 2048 per chip, 60.2 -> 59.2 GB over ICI, predicted step 0.1344 -> 0.1321 s, collective-bound; on v6e:2x4 the same bytes per chip), False elsewhere |
 | ragged_all_to_all (None) | True on TPU (dropless expert parallelism sends only the token slots routed, `jax.lax.ragged_all_to_all`: Mixtral-8x7B over expert=8 on v5p, 45.1 -> 11.5 GB of all-to-all a step as the compiled program predicts under balanced routing), False on CPU, whose XLA has none, and on GPU, where it has not run (one block of the worst case to every device; true asks for it) |
@@ -97,6 +98,8 @@ class Choice:
 PLATFORM_FIELDS = ("matmul_grad_barrier", "scan_unroll", "keep_head_dims", "round_weights_before_cast",
                    "layer_grads_in_compute_dtype", "norm_grads_in_compute_dtype", "gather_mlp_weights",
                    "loss_gather_once", "ragged_all_to_all")
+# ... and with the ones `settle` fills from the step's shapes too (what `jaxperf compile` reports as settled)
+SETTLED_FIELDS = (*PLATFORM_FIELDS, "mlp_slices")
 
 
 def for_platform(cfg: ModelConfig, platform: str) -> ModelConfig:
@@ -140,9 +143,38 @@ def settle(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> Mo
     settled for the train step of `cfg` on a mesh of `mesh_shape` whose devices are `platform`."""
     chosen = {c.op: c.impl for c in _choices(cfg, mesh_shape, platform)}
     model = for_platform(cfg.model, platform)
+    if model.mlp_slices is None:
+        shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+        dp = shape["data"] * shape["fsdp"] * shape["expert"]
+        tokens = cfg.batch_size // max(cfg.microbatches, 1) // dp * cfg.train_seq_len // shape["seq"]
+        model = dataclasses.replace(model, mlp_slices=mlp_slices_choice(
+            platform, tokens_per_device=tokens, model=model.resolved(), tensor=shape["tensor"]))
     return dataclasses.replace(model, attention_impl=chosen["attention"], loss_impl=chosen["loss"],
                                norm_impl=chosen["norm"],
                                grouped_matmul_impl=chosen.get("grouped_matmul", model.grouped_matmul_impl))
+
+
+# On TPU, the most bytes one device's hidden MLP values (tokens x mlp_dim in the compute dtype) may take before
+# `model.mlp_slices` computes the MLP in slices of its width (each slice a whole number of 128-lane tiles wide), at
+# most MAX_MLP_SLICES of them.
+MLP_SLICE_BYTES = 128 * 2**20
+MAX_MLP_SLICES = 8
+
+
+def mlp_slices_choice(platform: str, *, tokens_per_device: int, model: ModelConfig, tensor: int = 1) -> int:
+    """The slices of its hidden width the MLP runs in when model.mlp_slices is None: on TPU under remat full, with
+    the width whole on each device, the fewest equal slices of whole 128-lane tiles that bring one slice's hidden
+    values per device to MLP_SLICE_BYTES or less (the most, up to MAX_MLP_SLICES, when none does; 1 when the width
+    cuts into no such slices); 1 elsewhere."""
+    _check(platform)
+    if platform != "tpu" or model.remat != "full" or tensor > 1:
+        return 1
+    hidden = tokens_per_device * model.mlp_dim * jnp.dtype(model.dtype).itemsize
+    if hidden <= MLP_SLICE_BYTES:
+        return 1
+    tiled = [n for n in range(2, MAX_MLP_SLICES + 1) if model.mlp_dim % (128 * n) == 0]
+    small = [n for n in tiled if hidden / n <= MLP_SLICE_BYTES]
+    return (small or tiled[-1:] or [1])[0]
 
 
 def describe_settled(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> str:

@@ -30,7 +30,7 @@ from jax.experimental import topologies
 from jaxperf.config import mesh_shape, validate
 from jaxperf.config.validate import compiler_option_entries
 from jaxperf.step.flavours import build_train_step
-from jaxperf.models.platform import PLATFORM_FIELDS, implementation_choices, layers_per_iteration, settle
+from jaxperf.models.platform import SETTLED_FIELDS, implementation_choices, layers_per_iteration, settle
 from jaxperf.parallel.mesh import make_mesh, platform_of
 from jaxperf.perf.buffers import buffer_report, dump_options, format_buffers, read_dump
 from jaxperf.perf.flops import flops_per_token
@@ -189,7 +189,7 @@ def compile_for_topology(cfg, topology: str, slices: int = 1, hlo_out: str | Non
         "batch": B, "seq_len": L, "compile_s": compile_s,
         "implementations": {c.op: {"impl": c.impl, "why": c.why} for c in choices},
         # the model fields the platform decides, as this program was built with them
-        "settled": {f: getattr(settled, f) for f in PLATFORM_FIELDS},
+        "settled": {f: getattr(settled, f) for f in SETTLED_FIELDS},
         "compiler_options": dict(task.compiler_options or {}),  # given to this program's compile alone
         # layers per loop iteration: with remat, that many layers' recomputed activations are live at once
         "layers": {"n": cfg.model.n_layers, "scanned": cfg.model.scan_layers,
