@@ -484,6 +484,7 @@ def test_mlp_in_slices_of_its_width_gives_the_plain_mlps_loss_and_gradients(extr
     assert "length=4" in str(jaxpr)  # the sliced path ran: its backward's loop over the 4 slices (3 layers)
     assert MLP(dataclasses.replace(cfg, mlp_slices=4), rngs=nnx.Rngs(0)).slices == 4
     assert MLP(dataclasses.replace(cfg, mlp_slices=4, remat="save_dots"), rngs=nnx.Rngs(0)).slices == 1
+    assert MLP(dataclasses.replace(cfg, mlp_slices=4, mlp_dim=130), rngs=nnx.Rngs(0)).slices == 1  # a shared expert
 
 
 def test_sliced_mlp_weight_gradients_are_the_plain_matmuls():
@@ -503,6 +504,8 @@ def test_sliced_mlp_weight_gradients_are_the_plain_matmuls():
     y0, vjp0 = jax.vjp(plain, x, w_in, w_gate, w_out)
     y1, vjp1 = jax.vjp(lambda *a: sliced_mlp(*a, None, "swiglu", 4), x, w_in, w_gate, w_out)
     np.testing.assert_allclose(np.asarray(y1, np.float32), np.asarray(y0, np.float32), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="3 slices do not cut the hidden width 256 evenly"):
+        sliced_mlp(x, w_in, w_gate, w_out, None, "swiglu", 3)
     for name, a, b in zip(("x", "w_in", "w_gate", "w_out"), vjp0(dy), vjp1(dy)):
         assert a.dtype == b.dtype == jnp.bfloat16, name
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)

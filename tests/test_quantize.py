@@ -165,3 +165,16 @@ def test_cli_quantize_reports_bytes_and_perplexity_of_a_trained_run(tmp_path, ca
     before, after = report["perplexity_before"], report["perplexity_after"]
     assert before < 200  # trained: far below the 256 of a uniform guess over bytes
     assert abs(after - before) / before < 0.02, (before, after)
+
+
+def test_an_int8_model_with_mlp_slices_runs_its_mlp_whole():
+    """model.mlp_slices (a training setting, remat full) leaves an int8 model's MLP to the plain matmuls, which take
+    int8 weights: the same logits as with no slices."""
+    cfg = dataclasses.replace(_tiny_cfg(style="llama", n_kv_heads=2).model, remat="full")
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 32)))
+    got = []
+    for slices in (1, 2):
+        model = GPT(dataclasses.replace(cfg, mlp_slices=slices), rngs=nnx.Rngs(0))
+        qparams = quantize_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        got.append(np.asarray(forward(_merged(model, qparams), tokens)))
+    np.testing.assert_array_equal(got[0], got[1])

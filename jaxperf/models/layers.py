@@ -468,6 +468,8 @@ def _slice(w, c, f, axis):
 
 
 def _sliced_fwd(x, w_in, w_gate, w_out, b_in, act, slices):
+    if w_in.shape[1] % slices:
+        raise ValueError(f"sliced_mlp: {slices} slices do not cut the hidden width {w_in.shape[1]} evenly")
     f = w_in.shape[1] // slices
     fn, lead = _act(act), x.ndim - 1
 
@@ -534,7 +536,8 @@ class MLP(nnx.Module):
         self.round_weights = bool(cfg.round_weights_before_cast)  # see `to_compute`
         self.gather_weights = bool(cfg.gather_mlp_weights)  # see `jaxperf.parallel.rules.gather_weight`
         self.scanned = bool(cfg.scan_layers)
-        self.slices = int(cfg.mlp_slices or 1) if cfg.remat == "full" else 1  # see `sliced_mlp`
+        slices = int(cfg.mlp_slices or 1) if cfg.remat == "full" else 1  # see `sliced_mlp`
+        self.slices = slices if F % slices == 0 else 1  # a shared expert of another width runs whole
         self.w_in_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd)
         self.w_gate_DxF = _param(rngs, init, (D, F), ("embed", "mlp"), pd) if self.act == "swiglu" else None
         self.w_out_FxD = _param(rngs, out_init, (F, D), ("mlp", "embed"), pd)
@@ -574,7 +577,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, hooks: LayerHooks = DEFAULT_HOOKS) -> jax.Array:
         dt = x_BxLxD.dtype
-        if self.slices > 1 and hooks.sequence_parallel is None:
+        if self.slices > 1 and hooks.sequence_parallel is None and not isinstance(self.w_in_DxF[...], Int8Weight):
             return self._sliced(x_BxLxD, hooks)
         def column(x, w):
             return _column(x, w, hooks, self.grad_barrier)
