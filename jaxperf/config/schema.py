@@ -117,7 +117,8 @@ class ModelConfig:
     # remat=full: compute the MLP over this many equal slices of its hidden width in turn (jaxperf.models.layers.
     # sliced_mlp): one slice's hidden values live at a time in the forward and in the backward's recomputation, the
     # same FLOPs. None: the platform's choice (jaxperf.models.platform): on TPU, enough slices (of whole 128-lane
-    # tiles) to keep each slice's hidden values per device under MLP_SLICE_BYTES; 1 elsewhere
+    # tiles) to keep each slice's hidden values per device under MLP_SLICE_BYTES; 1 elsewhere. An int8 model's MLP and
+    # a shared expert whose width the slices do not cut evenly run whole
     mlp_slices: int | None = None
     # Gather each MLP weight whole before its matmul and send its gradient straight back to the weight's own sharding
     # (jaxperf.parallel.rules.gather_weight), rather than leave the compiler to gather it window by window inside the
