@@ -467,6 +467,16 @@ def _slice(w, c, f, axis):
     return None if w is None else jax.lax.dynamic_slice_in_dim(w, c * f, f, axis=axis)
 
 
+def _slice_hidden(x, w_in, w_gate, b_in, c, f):
+    """Slice `c` (of width f) of the MLP's hidden values before the activation: (h, gate), gate None without w_gate."""
+    lead = x.ndim - 1
+    h = _contract(x, _slice(w_in, c, f, 1), ((lead,), (0,)), x.dtype)
+    if b_in is not None:
+        h = h + _bcast(_slice(b_in, c, f, 0), h.ndim)
+    gate = None if w_gate is None else _contract(x, _slice(w_gate, c, f, 1), ((lead,), (0,)), x.dtype)
+    return h, gate
+
+
 def _sliced_fwd(x, w_in, w_gate, w_out, b_in, act, slices):
     if w_in.shape[1] % slices:
         raise ValueError(f"sliced_mlp: {slices} slices do not cut the hidden width {w_in.shape[1]} evenly")
@@ -474,11 +484,7 @@ def _sliced_fwd(x, w_in, w_gate, w_out, b_in, act, slices):
     fn, lead = _act(act), x.ndim - 1
 
     def body(c, y):
-        h = _contract(x, _slice(w_in, c, f, 1), ((lead,), (0,)), x.dtype)
-        if b_in is not None:
-            h = h + _bcast(_slice(b_in, c, f, 0), h.ndim)
-        gate = None if w_gate is None else _contract(x, _slice(w_gate, c, f, 1), ((lead,), (0,)), x.dtype)
-        return y + _contract(fn(h, gate), _slice(w_out, c, f, 0), ((lead,), (0,)))
+        return y + _contract(fn(*_slice_hidden(x, w_in, w_gate, b_in, c, f)), _slice(w_out, c, f, 0), ((lead,), (0,)))
 
     y = jax.lax.fori_loop(0, slices, body, jnp.zeros((*x.shape[:-1], w_out.shape[1]), jnp.float32))
     return y.astype(x.dtype), (x, w_in, w_gate, w_out, b_in)
@@ -492,11 +498,7 @@ def _sliced_bwd(act, slices, res, dy):
 
     def body(dx, c):
         wi, wg, wo = _slice(w_in, c, f, 1), _slice(w_gate, c, f, 1), _slice(w_out, c, f, 0)
-        h = _contract(x, wi, ((lead,), (0,)), x.dtype)
-        if b_in is not None:
-            h = h + _bcast(_slice(b_in, c, f, 0), h.ndim)
-        gate = None if wg is None else _contract(x, wg, ((lead,), (0,)), x.dtype)
-        a, act_vjp = jax.vjp(fn, h, gate)
+        a, act_vjp = jax.vjp(fn, *_slice_hidden(x, w_in, w_gate, b_in, c, f))
         dh, dgate = act_vjp(_contract(dy, wo, ((lead,), (1,)), dy.dtype))
         dx = dx + _contract(dh, wi, ((lead,), (1,)))
         grads = {"in": _contract(x, dh, (rows, rows), w_in.dtype), "out": _contract(a, dy, (rows, rows), w_out.dtype)}
@@ -587,9 +589,9 @@ class MLP(nnx.Module):
             h = h + _bcast(self.bias_in_F[...].astype(dt), h.ndim)
         if self.act == "swiglu":
             gate = self._matmul(column, x_BxLxD, self.w_gate_DxF, dt, ("embed", "mlp"))
-            h = jax.nn.silu(checkpoint_name(gate, "mlpwi_0")) * checkpoint_name(h, "mlpwi_1")
+            h = _act(self.act)(checkpoint_name(h, "mlpwi_1"), checkpoint_name(gate, "mlpwi_0"))
         else:
-            h = jax.nn.gelu(checkpoint_name(h, "mlpwi"), approximate=self.act != "gelu_exact")
+            h = _act(self.act)(checkpoint_name(h, "mlpwi"), None)
         h_BxLxF = constrain(h, ("batch", "seq", "mlp"))
         y = self._matmul(lambda h, w: _row(h, w, 1, hooks, self.grad_barrier), h_BxLxF, self.w_out_FxD, dt,
                          ("mlp", "embed"))

@@ -144,9 +144,8 @@ def settle(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> Mo
     chosen = {c.op: c.impl for c in _choices(cfg, mesh_shape, platform)}
     model = for_platform(cfg.model, platform)
     if model.mlp_slices is None:
-        shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
-        dp = shape["data"] * shape["fsdp"] * shape["expert"]
-        tokens = cfg.batch_size // max(cfg.microbatches, 1) // dp * cfg.train_seq_len // shape["seq"]
+        shape = _mesh(mesh_shape)
+        tokens = _rows_per_device(cfg, shape) * cfg.train_seq_len // shape["seq"]
         model = dataclasses.replace(model, mlp_slices=mlp_slices_choice(
             platform, tokens_per_device=tokens, model=model.resolved(), tensor=shape["tensor"]))
     return dataclasses.replace(model, attention_impl=chosen["attention"], loss_impl=chosen["loss"],
@@ -272,11 +271,20 @@ def implementation_choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], plat
     return choices
 
 
+def _mesh(mesh_shape: Mapping[str, int]) -> dict[str, int]:
+    return {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+
+
+def _rows_per_device(cfg: TrainConfig, shape: dict[str, int]) -> int:
+    """Batch rows one device holds in a microbatch (the batch splits over data, fsdp and expert)."""
+    return cfg.batch_size // max(cfg.microbatches, 1) // (shape["data"] * shape["fsdp"] * shape["expert"])
+
+
 def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> list[Choice]:
     """[attention, loss, norm] (and grouped_matmul for an MoE model) as `settle` writes them into the model config."""
     _check(platform)
     m = cfg.model.resolved()
-    shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
+    shape = _mesh(mesh_shape)
     seq_len = cfg.train_seq_len
     if m.attention_impl != "auto":
         attention = Choice("attention", m.attention_impl, "model.attention_impl")
@@ -289,8 +297,7 @@ def _choices(cfg: TrainConfig, mesh_shape: Mapping[str, int], platform: str) -> 
     elif m.loss_impl != "auto":
         loss = Choice("loss", m.loss_impl, "model.loss_impl")
     else:
-        batch_split = shape["data"] * shape["fsdp"] * shape["expert"]
-        rows = cfg.batch_size // max(cfg.microbatches, 1) // batch_split * seq_len
+        rows = _rows_per_device(cfg, shape) * seq_len
         loss = loss_choice(platform, rows_per_device=rows, vocab=m.padded_vocab, vocab_split=shape["tensor"] > 1,
                            seq_split=shape["seq"] > 1)
     norm = norm_choice(platform) if m.norm_impl == "auto" else Choice("norm", m.norm_impl, "model.norm_impl")
